@@ -1,0 +1,248 @@
+//! `sbx exec-helper`: a fresh single-threaded process the daemon spawns per
+//! exec. It moves itself into the exec's own cgroup (so a timeout can kill
+//! everything the exec started, daemonized grandchildren included, from
+//! outside the run), enters the run's namespaces through a pidfd of the
+//! run's init, forks the command's process inside the run's pid namespace,
+//! drops to the run's user with no capabilities, loads the seccomp profile,
+//! and execs. It exits with the command's status (128+signal when killed).
+//!
+//! The request arrives on stdin as a 4-byte little-endian length and JSON,
+//! so env values never appear in argv or in the host's process list; the
+//! rest of stdin is the command's stdin.
+
+#![allow(unsafe_code)]
+
+use std::ffi::CString;
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+
+use nix::sched::{setns, CloneFlags};
+use nix::sys::wait::{waitpid, WaitStatus};
+use nix::unistd::{fork, ForkResult, Gid, Uid};
+use serde::{Deserialize, Serialize};
+
+use crate::cgroups::{self, Layout};
+
+/// What the daemon asks of one exec.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ExecRequest {
+    pub init_pid: i32,
+    pub init_start: u64,
+    /// The exec's own cgroup, relative to each hierarchy root.
+    pub cgroup: String,
+    pub argv: Vec<String>,
+    /// The whole environment, `KEY=VALUE`.
+    pub env: Vec<String>,
+    pub cwd: String,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// Exit status the helper uses when it could not start the command.
+pub const EXIT_CANNOT_ENTER: i32 = 125;
+pub const EXIT_NOT_EXECUTABLE: i32 = 126;
+pub const EXIT_NOT_FOUND: i32 = 127;
+
+/// Encodes a request the way [`helper_main`] reads it.
+pub fn encode_request(req: &ExecRequest) -> Vec<u8> {
+    let body = serde_json::to_vec(req).unwrap_or_default();
+    let mut out = (body.len() as u32).to_le_bytes().to_vec();
+    out.extend(body);
+    out
+}
+
+fn read_request() -> std::io::Result<ExecRequest> {
+    // Exact reads on the raw fd: nothing past the request may be consumed,
+    // the rest of stdin belongs to the command.
+    // SAFETY: fd 0 is open for the life of the process; ManuallyDrop keeps it open.
+    let mut stdin = std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(0) });
+    let mut len = [0u8; 4];
+    stdin.read_exact(&mut len)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > 1 << 20 {
+        return Err(std::io::Error::other("exec request too large"));
+    }
+    let mut body = vec![0u8; len];
+    stdin.read_exact(&mut body)?;
+    serde_json::from_slice(&body).map_err(std::io::Error::other)
+}
+
+fn fail(code: i32, msg: &str) -> i32 {
+    let _ = writeln!(std::io::stderr(), "sbx: {msg}");
+    code
+}
+
+/// Entry point; returns the exit code for the helper process.
+pub fn helper_main() -> i32 {
+    let req = match read_request() {
+        Ok(r) => r,
+        Err(e) => return fail(EXIT_CANNOT_ENTER, &format!("read exec request: {e}")),
+    };
+    let layout = match Layout::detect() {
+        Ok(l) => l,
+        Err(e) => return fail(EXIT_CANNOT_ENTER, &format!("cgroups: {e}")),
+    };
+    if let Err(e) = cgroups::create(&layout, &req.cgroup)
+        .and_then(|_| cgroups::join(&layout, &req.cgroup, std::process::id()))
+    {
+        return fail(EXIT_CANNOT_ENTER, &format!("join exec cgroup: {e}"));
+    }
+    let pidfd = match pidfd_open(req.init_pid) {
+        Ok(fd) => fd,
+        Err(e) => return fail(EXIT_CANNOT_ENTER, &format!("run is not running: {e}")),
+    };
+    // The pidfd pins the process; check it is still the run's init.
+    if crate::start_time(req.init_pid) != Some(req.init_start) {
+        return fail(EXIT_CANNOT_ENTER, "run is not running");
+    }
+    let flags = CloneFlags::CLONE_NEWNS
+        | CloneFlags::CLONE_NEWPID
+        | CloneFlags::CLONE_NEWNET
+        | CloneFlags::CLONE_NEWUTS
+        | CloneFlags::CLONE_NEWIPC
+        | CloneFlags::CLONE_NEWCGROUP;
+    if let Err(e) = setns(pidfd.as_fd(), flags) {
+        return fail(EXIT_CANNOT_ENTER, &format!("enter run namespaces: {e}"));
+    }
+    drop(pidfd);
+    // SAFETY: this process is single-threaded (a fresh exec of the sbx
+    // binary that started no threads), so the child may run arbitrary code.
+    match unsafe { fork() } {
+        Err(e) => fail(EXIT_CANNOT_ENTER, &format!("fork in run: {e}")),
+        Ok(ForkResult::Child) => {
+            let code = child(&req);
+            // SAFETY: _exit is always safe; no destructors should run in the child.
+            unsafe { libc::_exit(code) }
+        }
+        Ok(ForkResult::Parent { child }) => {
+            // The command alone holds the stdio pipes from here on.
+            for fd in 0..3 {
+                let _ = nix::unistd::close(fd);
+            }
+            loop {
+                match waitpid(child, None) {
+                    Ok(WaitStatus::Exited(_, code)) => return code,
+                    Ok(WaitStatus::Signaled(_, sig, _)) => return 128 + sig as i32,
+                    Ok(_) => continue,
+                    Err(nix::errno::Errno::EINTR) => continue,
+                    Err(_) => return EXIT_CANNOT_ENTER,
+                }
+            }
+        }
+    }
+}
+
+fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just returned this fd to us; nobody else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+fn lookup_path(argv0: &str, env: &[String]) -> Option<String> {
+    if argv0.contains('/') {
+        return Some(argv0.to_string());
+    }
+    let path = env
+        .iter()
+        .find_map(|e| e.strip_prefix("PATH="))
+        .unwrap_or(crate::spec::DEFAULT_PATH);
+    path.split(':')
+        .filter(|d| !d.is_empty())
+        .map(|d| format!("{d}/{argv0}"))
+        .find(|p| nix::unistd::access(p.as_str(), nix::unistd::AccessFlags::X_OK).is_ok())
+}
+
+/// Runs in the forked child, inside the run's namespaces; returns only on error.
+fn child(req: &ExecRequest) -> i32 {
+    // Drop the bounding set while we still hold CAP_SETPCAP.
+    for cap in caps::all() {
+        let _ = caps::drop(None, caps::CapSet::Bounding, cap);
+    }
+    let gid = Gid::from_raw(req.gid);
+    let uid = Uid::from_raw(req.uid);
+    if let Err(e) = nix::unistd::setgroups(&[gid]) {
+        return fail(EXIT_CANNOT_ENTER, &format!("setgroups: {e}"));
+    }
+    if let Err(e) = nix::unistd::setresgid(gid, gid, gid) {
+        return fail(EXIT_CANNOT_ENTER, &format!("setgid: {e}"));
+    }
+    if let Err(e) = nix::unistd::setresuid(uid, uid, uid) {
+        return fail(EXIT_CANNOT_ENTER, &format!("setuid: {e}"));
+    }
+    for set in [
+        caps::CapSet::Ambient,
+        caps::CapSet::Inheritable,
+        caps::CapSet::Effective,
+        caps::CapSet::Permitted,
+    ] {
+        if let Err(e) = caps::clear(None, set) {
+            return fail(EXIT_CANNOT_ENTER, &format!("drop capabilities: {e}"));
+        }
+    }
+    let _ = nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, 65536, 65536);
+    if let Err(e) = nix::unistd::chdir(req.cwd.as_str()) {
+        return fail(EXIT_NOT_FOUND, &format!("cwd {}: {e}", req.cwd));
+    }
+    let Some(argv0) = req.argv.first() else {
+        return fail(EXIT_NOT_FOUND, "empty command");
+    };
+    let Some(path) = lookup_path(argv0, &req.env) else {
+        return fail(EXIT_NOT_FOUND, &format!("{argv0}: command not found"));
+    };
+    let to_c = |s: &String| CString::new(s.as_bytes()).unwrap_or_default();
+    let argv: Vec<CString> = req.argv.iter().map(to_c).collect();
+    let env: Vec<CString> = req.env.iter().map(to_c).collect();
+    let Ok(cpath) = CString::new(path.as_bytes()) else {
+        return fail(EXIT_NOT_FOUND, "command contains NUL");
+    };
+    if let Err(e) = nix::sys::prctl::set_no_new_privs() {
+        return fail(EXIT_CANNOT_ENTER, &format!("no_new_privs: {e}"));
+    }
+    if let Err(e) = crate::seccomp::load() {
+        return fail(EXIT_CANNOT_ENTER, &format!("seccomp: {e}"));
+    }
+    let err = nix::unistd::execve(&cpath, &argv, &env).err();
+    match err {
+        Some(nix::errno::Errno::ENOENT) => fail(EXIT_NOT_FOUND, &format!("{path}: not found")),
+        Some(e) => fail(EXIT_NOT_EXECUTABLE, &format!("{path}: {e}")),
+        None => EXIT_NOT_EXECUTABLE,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn request_round_trips_with_length_prefix() {
+        let req = ExecRequest {
+            init_pid: 7,
+            init_start: 99,
+            cgroup: "/sbx-1/r/exec-1".into(),
+            argv: vec!["true".into()],
+            env: vec!["SECRET=x".into()],
+            cwd: "/work".into(),
+            uid: 1000,
+            gid: 1000,
+        };
+        let bytes = encode_request(&req);
+        let len = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) as usize;
+        assert_eq!(len, bytes.len() - 4);
+        let back: ExecRequest = serde_json::from_slice(&bytes[4..]).expect("json");
+        assert_eq!(back.env, vec!["SECRET=x".to_string()]);
+    }
+
+    #[test]
+    fn path_lookup_uses_the_run_env() {
+        assert_eq!(lookup_path("/bin/sh", &[]), Some("/bin/sh".into()));
+        assert_eq!(
+            lookup_path("sh", &["PATH=/nonexistent:/bin".into()]),
+            Some("/bin/sh".into())
+        );
+        assert_eq!(lookup_path("definitely-not-a-cmd-xyz", &[]), None);
+    }
+}

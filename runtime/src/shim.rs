@@ -1,0 +1,137 @@
+//! `sbx shim`: one single-threaded process per run. It creates the run with
+//! libcontainer (which clones with raw syscalls and must not run inside the
+//! multi-threaded daemon), is the subreaper and parent of the run's init,
+//! records its exit, and outlives daemon restarts.
+//!
+//! Protocol with the daemon: the shim prints one line on stdout —
+//! `ready <init-pid>` or `error <message>` — then detaches stdout. SIGTERM
+//! asks it to kill the run; it exits when the run's init is gone, leaving
+//! `exit` (the init's wait status) in the run directory. Teardown of cgroups
+//! and mounts belongs to the daemon, so it also works when a shim died.
+
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+
+use libcontainer::container::builder::ContainerBuilder;
+use libcontainer::syscall::syscall::SyscallType;
+use nix::sys::signal::{kill, SigSet, SigmaskHow, Signal};
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::Pid;
+
+use crate::{start_time, write_atomic, RunPaths, ShimState};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ShimError {
+    #[error("become subreaper")]
+    Subreaper(#[source] nix::Error),
+    #[error("open /dev/null")]
+    DevNull(#[source] std::io::Error),
+    #[error("create container")]
+    Create(#[source] libcontainer::error::LibcontainerError),
+    #[error("start container")]
+    Start(#[source] libcontainer::error::LibcontainerError),
+    #[error("container has no init pid")]
+    NoPid,
+    #[error("bring up loopback")]
+    Loopback(#[source] sbx_netns::NetnsError),
+    #[error("write shim state {path}")]
+    State {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn dev_null() -> Result<OwnedFd, ShimError> {
+    Ok(File::options()
+        .read(true)
+        .write(true)
+        .open("/dev/null")
+        .map_err(ShimError::DevNull)?
+        .into())
+}
+
+fn create(paths: &RunPaths, id: &str) -> Result<ShimState, ShimError> {
+    nix::sys::prctl::set_child_subreaper(true).map_err(ShimError::Subreaper)?;
+    let mut container = ContainerBuilder::new(id.to_string(), SyscallType::Linux)
+        .with_root_path(paths.container_root())
+        .map_err(ShimError::Create)?
+        .with_stdin(dev_null()?)
+        .with_stdout(dev_null()?)
+        .with_stderr(dev_null()?)
+        .as_init(paths.bundle())
+        .with_systemd(false)
+        .with_detach(true)
+        .build()
+        .map_err(ShimError::Create)?;
+    let init = container.pid().ok_or(ShimError::NoPid)?;
+    sbx_netns::loopback_up_in(init.as_raw()).map_err(ShimError::Loopback)?;
+    container.start().map_err(ShimError::Start)?;
+    let me = std::process::id() as i32;
+    let state = ShimState {
+        shim_pid: me,
+        shim_start: start_time(me).unwrap_or(0),
+        init_pid: init.as_raw(),
+        init_start: start_time(init.as_raw()).unwrap_or(0),
+    };
+    let path = paths.shim_state();
+    let body = serde_json::to_vec(&state).map_err(|e| ShimError::State {
+        path: path.clone(),
+        source: std::io::Error::other(e),
+    })?;
+    write_atomic(&path, &body).map_err(|source| ShimError::State { path, source })?;
+    Ok(state)
+}
+
+/// Entry point of `sbx shim <run-dir> <id>`; returns the process exit code.
+pub fn shim_main(run_dir: PathBuf, id: &str) -> i32 {
+    let _ = nix::unistd::setsid();
+    let all = SigSet::all();
+    // Signals are taken synchronously below; nothing else runs here.
+    let _ = nix::sys::signal::sigprocmask(SigmaskHow::SIG_BLOCK, Some(&all), None);
+    let paths = RunPaths::new(run_dir);
+    let mut stdout = std::io::stdout();
+    let state = match create(&paths, id) {
+        Ok(s) => s,
+        Err(e) => {
+            let mut msg = e.to_string();
+            let mut src = std::error::Error::source(&e);
+            while let Some(s) = src {
+                msg.push_str(": ");
+                msg.push_str(&s.to_string());
+                src = s.source();
+            }
+            let _ = writeln!(stdout, "error {}", msg.replace('\n', " "));
+            return 1;
+        }
+    };
+    let _ = writeln!(stdout, "ready {}", state.init_pid);
+    let _ = stdout.flush();
+    if let Ok(null) = dev_null() {
+        let _ = nix::unistd::dup2(std::os::fd::AsRawFd::as_raw_fd(&null), 1);
+    }
+    let init = Pid::from_raw(state.init_pid);
+    loop {
+        match all.wait() {
+            Ok(Signal::SIGTERM | Signal::SIGINT) => {
+                let _ = kill(init, Signal::SIGKILL);
+            }
+            Ok(Signal::SIGCHLD) => {}
+            _ => continue,
+        }
+        match waitpid(init, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) => continue,
+            Ok(status) => {
+                let _ = write_atomic(&paths.exit_file(), format!("{status:?}").as_bytes());
+                return 0;
+            }
+            Err(nix::errno::Errno::ECHILD) => {
+                let _ = write_atomic(&paths.exit_file(), b"gone");
+                return 0;
+            }
+            Err(_) => continue,
+        }
+    }
+}
