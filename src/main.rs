@@ -1,1 +1,81 @@
-fn main() {}
+//! sbx: the daemon (`sbx serve`), its helpers (`shim`, `init`,
+//! `exec-helper`), and the CLI client. The only place that picks an exit code.
+
+mod api;
+mod cli;
+mod config;
+mod imagesvc;
+mod reaper;
+mod runs;
+mod seal;
+mod serve;
+mod store;
+
+use std::sync::OnceLock;
+
+use clap::{Parser, Subcommand};
+
+/// This daemon's name, for error bodies built far from the state.
+pub static SERVER_NAME: OnceLock<String> = OnceLock::new();
+
+#[derive(Parser)]
+#[command(name = "sbx", version, about = "Isolated, ephemeral Linux sandboxes behind a REST API")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the daemon.
+    Serve(config::ServeFlags),
+    #[command(flatten)]
+    Client(cli::ClientCommand),
+}
+
+fn main() {
+    // The helpers dispatch before anything else: the init must stay lean and
+    // the shim and exec helper must stay single-threaded.
+    let args: Vec<String> = std::env::args().collect();
+    match args.get(1).map(String::as_str) {
+        Some("init") => sbx_runtime::init::init_main(),
+        Some("shim") if args.len() == 4 => {
+            // libcontainer reports through tracing; the shim's stderr is its log file.
+            tracing_subscriber::fmt()
+                .with_env_filter(tracing_subscriber::EnvFilter::new("error"))
+                .with_ansi(false)
+                .with_writer(std::io::stderr)
+                .init();
+            std::process::exit(sbx_runtime::shim::shim_main(args[2].clone().into(), &args[3]))
+        }
+        Some("exec-helper") => std::process::exit(sbx_runtime::exec::helper_main()),
+        _ => {}
+    }
+    let cli = Cli::parse();
+    let code = match cli.cmd {
+        Command::Serve(flags) => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_env("SBX_LOG")
+                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                )
+                .with_writer(std::io::stderr)
+                .init();
+            match serve::serve(flags) {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("sbx serve: {e:#}");
+                    1
+                }
+            }
+        }
+        Command::Client(c) => match cli::run(c) {
+            Ok(code) => code,
+            Err(e) => {
+                eprintln!("sbx: {e:#}");
+                1
+            }
+        },
+    };
+    std::process::exit(code);
+}

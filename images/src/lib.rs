@@ -1,1 +1,5 @@
+//! Images: the built-in `host` image, registry pulls into a
+//! content-addressed layer store, safe layer unpacking, and overlay assembly.
 
+pub mod host;
+pub mod overlay;

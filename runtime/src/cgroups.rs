@@ -164,12 +164,32 @@ pub fn create(layout: &Layout, rel: &str) -> Result<Vec<PathBuf>, CgroupError> {
     let dirs = layout.dirs(rel);
     for d in &dirs {
         match fs::create_dir(d) {
-            Ok(()) => {}
+            Ok(()) => inherit_cpuset(d)?,
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
             Err(source) => return Err(CgroupError::Create { path: d.clone(), source }),
         }
     }
     Ok(dirs)
+}
+
+/// A new v1 cpuset cgroup starts with no CPUs and no memory nodes, and
+/// nothing can join it; give it its parent's.
+fn inherit_cpuset(dir: &Path) -> Result<(), CgroupError> {
+    for file in ["cpuset.cpus", "cpuset.mems"] {
+        let path = dir.join(file);
+        let current = match fs::read_to_string(&path) {
+            Ok(c) => c,
+            Err(_) => continue,
+        };
+        if !current.trim().is_empty() {
+            continue;
+        }
+        let Some(parent) = dir.parent() else { continue };
+        let ppath = parent.join(file);
+        let value = fs::read_to_string(&ppath).map_err(|source| CgroupError::Read { path: ppath, source })?;
+        fs::write(&path, value.trim()).map_err(|source| CgroupError::Write { path, source })?;
+    }
+    Ok(())
 }
 
 /// Moves `pid` into cgroup `rel` in every hierarchy.
@@ -418,6 +438,20 @@ mod tests {
         fs::write(tmp.path().join("r/cgroup.procs"), "2147483000\n").expect("procs");
         assert_eq!(kill_tree(&l, "/r").expect("kill"), 1);
         assert_eq!(fs::read_to_string(tmp.path().join("r/cgroup.freeze")).expect("read"), "0");
+    }
+
+    #[test]
+    fn v1_cpuset_children_inherit_cpus_and_mems() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        fs::write(tmp.path().join("cpuset.cpus"), "0-1\n").expect("cpus");
+        fs::write(tmp.path().join("cpuset.mems"), "0\n").expect("mems");
+        let child = tmp.path().join("c");
+        fs::create_dir(&child).expect("child");
+        fs::write(child.join("cpuset.cpus"), "\n").expect("cpus");
+        fs::write(child.join("cpuset.mems"), "").expect("mems");
+        inherit_cpuset(&child).expect("inherit");
+        assert_eq!(fs::read_to_string(child.join("cpuset.cpus")).expect("read"), "0-1");
+        assert_eq!(fs::read_to_string(child.join("cpuset.mems")).expect("read"), "0");
     }
 
     #[test]

@@ -62,6 +62,17 @@ pub struct RunSpec {
     pub ro_binds: Vec<BindMount>,
     /// Whether the v1 memory controller accounts swap (`memory.memsw.*`).
     pub swap_accounting: bool,
+    /// RLIMIT_NOFILE (soft = hard) for the run; at most the daemon's own
+    /// hard limit, which it may not be able to raise.
+    pub nofile: u64,
+}
+
+/// The open-files limit runs get: 65536, or the host's hard limit if lower.
+pub fn nofile_limit() -> u64 {
+    let hard = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+        .map(|(_, h)| h)
+        .unwrap_or(1024);
+    hard.min(65536)
 }
 
 /// Paths hidden from the run, as runc does.
@@ -164,7 +175,7 @@ pub fn render(spec: &RunSpec) -> Value {
             "cwd": "/",
             "capabilities": {"bounding": [], "effective": [], "inheritable": [],
                              "permitted": [], "ambient": []},
-            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536}],
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": spec.nofile, "soft": spec.nofile}],
             "noNewPrivileges": true
         },
         "root": {"path": spec.rootfs, "readonly": false},
@@ -221,6 +232,7 @@ mod tests {
                 destination: "/usr".into(),
             }],
             swap_accounting: true,
+            nofile: 4096,
         }
     }
 

@@ -1,0 +1,142 @@
+//! Running one command in a run: spawn the exec helper, stream its output,
+//! enforce the timeout by killing the exec's cgroup from outside, and decide
+//! the end by the process, not by pipe EOF (a `sleep 30 &` holds the pipe).
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::mpsc;
+
+use sbx_runtime::exec::{encode_request, ExecRequest};
+
+use super::model::ExecPlan;
+use super::sandbox::Host;
+use super::ExecTicket;
+
+/// How long output is still collected after the command's process ended.
+const DRAIN_DEADLINE: Duration = Duration::from_millis(250);
+
+#[derive(Debug)]
+pub enum ExecEvent {
+    Stdout(Bytes),
+    Stderr(Bytes),
+    Exit(ExitInfo),
+}
+
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ExitInfo {
+    pub exit_code: i32,
+    pub timed_out: bool,
+    pub duration_ms: u64,
+}
+
+fn merge_env(base: &[(String, String)], extra: &[(String, String)]) -> Vec<String> {
+    let mut out: Vec<(String, String)> = base.to_vec();
+    for (k, v) in extra {
+        match out.iter_mut().find(|(bk, _)| bk == k) {
+            Some(slot) => slot.1 = v.clone(),
+            None => out.push((k.clone(), v.clone())),
+        }
+    }
+    out.into_iter().map(|(k, v)| format!("{k}={v}")).collect()
+}
+
+async fn pump(mut r: impl tokio::io::AsyncRead + Unpin, tx: mpsc::Sender<ExecEvent>, out: fn(Bytes) -> ExecEvent) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match r.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => {
+                if tx.send(out(Bytes::copy_from_slice(&buf[..n]))).await.is_err() {
+                    // Nobody listens any more; keep draining so the command never blocks.
+                    continue;
+                }
+            }
+        }
+    }
+}
+
+/// Runs the command; events go to `tx`, ending with exactly one `Exit`.
+pub async fn run(host: &Host, ticket: &ExecTicket, plan: ExecPlan, tx: mpsc::Sender<ExecEvent>) -> std::io::Result<()> {
+    let req = ExecRequest {
+        init_pid: ticket.init_pid,
+        init_start: ticket.init_start,
+        cgroup: ticket.cgroup.clone(),
+        argv: plan.argv,
+        env: merge_env(&ticket.base_env, &plan.env),
+        cwd: plan.cwd.unwrap_or_else(|| ticket.workdir.clone()),
+        uid: ticket.uid,
+        gid: ticket.gid,
+    };
+    let started = Instant::now();
+    let mut child = tokio::process::Command::new(&host.self_exe)
+        .arg("exec-helper")
+        .arg(&ticket.id)
+        .env_clear()
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let mut stdin = child.stdin.take().ok_or_else(|| std::io::Error::other("no stdin"))?;
+    let stdout = child.stdout.take().ok_or_else(|| std::io::Error::other("no stdout"))?;
+    let stderr = child.stderr.take().ok_or_else(|| std::io::Error::other("no stderr"))?;
+    let header = encode_request(&req);
+    let input = plan.stdin;
+    let feeder = tokio::spawn(async move {
+        if stdin.write_all(&header).await.is_ok() && !input.is_empty() {
+            let _ = stdin.write_all(&input).await;
+        }
+        drop(stdin);
+    });
+    let out_task = tokio::spawn(pump(stdout, tx.clone(), ExecEvent::Stdout));
+    let err_task = tokio::spawn(pump(stderr, tx.clone(), ExecEvent::Stderr));
+
+    let timeout = Duration::from_secs(plan.timeout_secs);
+    let (status, timed_out) = match tokio::time::timeout(timeout, child.wait()).await {
+        Ok(s) => (s?, false),
+        Err(_) => {
+            let (layout, cg) = (host.layout.clone(), ticket.cgroup.clone());
+            let killed = tokio::task::spawn_blocking(move || sbx_runtime::cgroups::kill_tree(&layout, &cg)).await;
+            tracing::info!(run = %ticket.id, killed = ?killed.ok().and_then(Result::ok), "exec timed out");
+            let _ = child.start_kill();
+            (child.wait().await?, true)
+        }
+    };
+    feeder.abort();
+    // The command's process is gone; give the pipes a bounded moment to drain.
+    let drain = async {
+        let _ = out_task.await;
+        let _ = err_task.await;
+    };
+    let _ = tokio::time::timeout(DRAIN_DEADLINE, drain).await;
+    let exit_code = if timed_out {
+        124
+    } else {
+        use std::os::unix::process::ExitStatusExt;
+        status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
+    };
+    let (layout, cg) = (host.layout.clone(), ticket.cgroup.clone());
+    tokio::task::spawn_blocking(move || sbx_runtime::cgroups::remove_if_empty(&layout, &cg));
+    let _ = tx
+        .send(ExecEvent::Exit(ExitInfo {
+            exit_code,
+            timed_out,
+            duration_ms: started.elapsed().as_millis() as u64,
+        }))
+        .await;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exec_env_overrides_base_env() {
+        let base = vec![("PATH".to_string(), "/bin".to_string()), ("A".to_string(), "1".to_string())];
+        let extra = vec![("A".to_string(), "2".to_string()), ("B".to_string(), "3".to_string())];
+        assert_eq!(merge_env(&base, &extra), vec!["PATH=/bin", "A=2", "B=3"]);
+    }
+}

@@ -1,0 +1,656 @@
+//! The run registry: one task owns every run's state. API handlers send it
+//! commands and await replies; slow work (creating a sandbox, tearing one
+//! down) runs in tasks that report back, so the owner never blocks on it.
+
+pub mod exec;
+pub mod files;
+pub mod model;
+pub mod sandbox;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+use tokio::sync::{mpsc, oneshot};
+
+pub use model::{parse_user, CreatePlan, Status};
+use sandbox::{Host, Started};
+use sbx_runtime::ShimState;
+
+use crate::seal::Sealer;
+use crate::store::Store;
+
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error("run {0} not found")]
+    NotFound(String),
+    #[error("run {id} is {status}")]
+    NotRunning { id: String, status: &'static str },
+    #[error("{0}")]
+    Unprocessable(String),
+    #[error("daemon is shutting down")]
+    ShuttingDown,
+    #[error("{0}")]
+    Internal(String),
+}
+
+/// What an exec needs to enter a run.
+#[derive(Debug, Clone)]
+pub struct ExecTicket {
+    pub id: String,
+    pub init_pid: i32,
+    pub init_start: u64,
+    pub cgroup: String,
+    pub uid: u32,
+    pub gid: u32,
+    pub workdir: String,
+    pub base_env: Vec<(String, String)>,
+}
+
+/// What a file operation needs.
+#[derive(Debug, Clone)]
+pub struct FilesTicket {
+    pub rootfs: std::path::PathBuf,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct ListFilter {
+    pub status: Option<Status>,
+    pub label: Option<(String, Option<String>)>,
+}
+
+enum Cmd {
+    Create(Box<CreatePlan>, oneshot::Sender<Result<Value, RunError>>),
+    Created(String, Result<Started, (u16, String)>, oneshot::Sender<Result<Value, RunError>>),
+    Get(String, oneshot::Sender<Result<Value, RunError>>),
+    List(ListFilter, oneshot::Sender<Vec<Value>>),
+    Patch(String, u64, oneshot::Sender<Result<Value, RunError>>),
+    Delete(String, bool, oneshot::Sender<Result<Value, RunError>>),
+    Destroyed(String, bool, Option<String>),
+    ExecBegin(String, oneshot::Sender<Result<ExecTicket, RunError>>),
+    FilesBegin(String, oneshot::Sender<Result<FilesTicket, RunError>>),
+    OpEnd(String),
+    Tick,
+    ShimExited(String, u64),
+    Shutdown(bool, oneshot::Sender<()>),
+}
+
+/// Cloneable handle to the registry task.
+#[derive(Clone)]
+pub struct Runs {
+    tx: mpsc::Sender<Cmd>,
+}
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Record {
+    id: String,
+    status: Status,
+    image: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    template: Option<String>,
+    network: String,
+    limits: sbx_runtime::Limits,
+    labels: BTreeMap<String, String>,
+    uid: u32,
+    gid: u32,
+    workdir: String,
+    created_ms: i64,
+    expires_ms: i64,
+    ended_ms: Option<i64>,
+    error: Option<String>,
+    /// Names of create-time env vars (values are sealed, never shown).
+    env_names: Vec<String>,
+}
+
+struct Entry {
+    rec: Record,
+    env: Vec<(String, String)>,
+    shim: Option<ShimState>,
+    in_flight: u32,
+}
+
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+pub fn rfc3339(ms: i64) -> String {
+    time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
+        .ok()
+        .and_then(|t| t.format(&time::format_description::well_known::Rfc3339).ok())
+        .unwrap_or_default()
+}
+
+struct Registry {
+    host: Arc<Host>,
+    server: String,
+    store: Store,
+    sealer: Sealer,
+    runs: HashMap<String, Entry>,
+    tx: mpsc::Sender<Cmd>,
+    images: Arc<crate::imagesvc::Images>,
+    shutting_down: bool,
+}
+
+impl Registry {
+    fn view(&self, e: &Entry) -> Value {
+        let r = &e.rec;
+        let mut v = json!({
+            "id": r.id,
+            "server": self.server,
+            "status": r.status,
+            "image": r.image,
+            "network": r.network,
+            "limits": {
+                "cpu": f64::from(r.limits.cpu_millis) / 1000.0,
+                "memoryMb": r.limits.memory_bytes >> 20,
+                "pids": r.limits.pids,
+            },
+            "labels": r.labels,
+            "user": format!("{}:{}", r.uid, r.gid),
+            "workdir": r.workdir,
+            "createdAt": rfc3339(r.created_ms),
+            "expiresAt": rfc3339(r.expires_ms),
+            "env": r.env_names,
+            "lease": Value::Null,
+        });
+        if let Some(t) = &r.template {
+            v["template"] = json!(t);
+        }
+        if let Some(ms) = r.ended_ms {
+            v["endedAt"] = json!(rfc3339(ms));
+        }
+        if let Some(err) = &r.error {
+            v["error"] = json!(err);
+        }
+        v
+    }
+
+    fn persist(&mut self, id: &str, sealed_env: Option<Vec<u8>>, event: &str) -> Result<(), RunError> {
+        let Some(e) = self.runs.get(id) else {
+            return Ok(());
+        };
+        let rec = serde_json::to_value(&e.rec).map_err(|e| RunError::Internal(e.to_string()))?;
+        let mut record = json!({"rec": rec});
+        if let Some(s) = e.shim {
+            record["shim"] = serde_json::to_value(s).unwrap_or(Value::Null);
+        }
+        let status = e.rec.status.as_str();
+        self.store
+            .put_run(id, status, &record, sealed_env.as_deref(), Some((event, now_ms())))
+            .map_err(|e| RunError::Internal(format!("{:#}", anyhow::Error::from(e))))?;
+        if !e.rec.status.is_live() {
+            let _ = self.store.drop_env(id);
+        }
+        Ok(())
+    }
+
+    fn set_status(&mut self, id: &str, status: Status, error: Option<String>) {
+        if let Some(e) = self.runs.get_mut(id) {
+            e.rec.status = status;
+            if !status.is_live() && e.rec.ended_ms.is_none() {
+                e.rec.ended_ms = Some(now_ms());
+            }
+            if error.is_some() {
+                e.rec.error = error.clone();
+            }
+            e.env.clear();
+        }
+        if let Err(e) = self.persist(id, None, error.as_deref().unwrap_or("")) {
+            tracing::error!(run = id, error = %e, "persist status");
+        }
+    }
+
+    fn spawn_destroy(&self, id: String, purge: bool, reply: Option<oneshot::Sender<Result<Value, RunError>>>) {
+        let host = self.host.clone();
+        let tx = self.tx.clone();
+        tokio::spawn(async move {
+            let i = id.clone();
+            let res = tokio::task::spawn_blocking(move || sandbox::destroy(&host, &i)).await;
+            let err = match res {
+                Ok(Ok(())) => None,
+                Ok(Err(e)) => Some(format!("{:#}", anyhow::Error::from(e))),
+                Err(e) => Some(e.to_string()),
+            };
+            if let Some(e) = &err {
+                tracing::error!(run = %id, error = %e, "teardown");
+            }
+            let _ = tx.send(Cmd::Destroyed(id.clone(), purge, err)).await;
+            if let Some(reply) = reply {
+                // The registry answers after recording the teardown.
+                let _ = reply.send(Ok(json!({"id": id})));
+            }
+        });
+    }
+
+    fn watch(&self, id: String, started: Option<tokio::process::Child>, shim: ShimState) {
+        let tx = self.tx.clone();
+        tokio::spawn(async move {
+            match started {
+                Some(mut child) => {
+                    let _ = child.wait().await;
+                }
+                None => wait_pid_exit(shim.shim_pid, shim.shim_start).await,
+            }
+            let _ = tx.send(Cmd::ShimExited(id, shim.shim_start)).await;
+        });
+    }
+
+    fn handle(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Create(plan, reply) => {
+                if self.shutting_down {
+                    let _ = reply.send(Err(RunError::ShuttingDown));
+                    return;
+                }
+                let id = ulid::Ulid::new().to_string();
+                let now = now_ms();
+                let env_json = serde_json::to_vec(&plan.env).unwrap_or_default();
+                let rec = Record {
+                    id: id.clone(),
+                    status: Status::Creating,
+                    image: plan.image.clone(),
+                    template: plan.template.clone(),
+                    network: plan.network.clone(),
+                    limits: plan.limits,
+                    labels: plan.labels.clone(),
+                    uid: plan.uid,
+                    gid: plan.gid,
+                    workdir: plan.workdir.clone(),
+                    created_ms: now,
+                    expires_ms: now + (plan.ttl_secs as i64) * 1000,
+                    ended_ms: None,
+                    error: None,
+                    env_names: plan.env.iter().map(|(k, _)| k.clone()).collect(),
+                };
+                self.runs.insert(
+                    id.clone(),
+                    Entry { rec, env: plan.env.clone(), shim: None, in_flight: 0 },
+                );
+                let sealed = self.sealer.seal(&env_json);
+                if let Err(e) = self.persist(&id, Some(sealed), "") {
+                    self.runs.remove(&id);
+                    let _ = reply.send(Err(e));
+                    return;
+                }
+                let host = self.host.clone();
+                let images = self.images.clone();
+                let tx = self.tx.clone();
+                tokio::spawn(async move {
+                    let result = async {
+                        let root = images.root_for(&plan.image).await.map_err(|e| (422u16, e))?;
+                        sandbox::create(&host, &id, &plan, root)
+                            .await
+                            .map_err(|e| (500u16, format!("{:#}", anyhow::Error::from(e))))
+                    }
+                    .await;
+                    let _ = tx.send(Cmd::Created(id, result, reply)).await;
+                });
+            }
+            Cmd::Created(id, result, reply) => {
+                let status = self.runs.get(&id).map(|e| e.rec.status);
+                match (result, status) {
+                    (Ok(started), Some(Status::Creating)) => {
+                        let shim = started.shim;
+                        if let Some(e) = self.runs.get_mut(&id) {
+                            e.shim = Some(shim);
+                            e.rec.status = Status::Running;
+                        }
+                        let persisted = self.persist(&id, None, "");
+                        self.watch(id.clone(), Some(started.child), shim);
+                        match persisted {
+                            Ok(()) => {
+                                tracing::info!(run = %id, "run created");
+                                let v = self.runs.get(&id).map(|e| self.view(e));
+                                let _ = reply.send(v.ok_or(RunError::NotFound(id)));
+                            }
+                            Err(e) => {
+                                self.set_status(&id, Status::Error, Some("could not record the run".into()));
+                                self.spawn_destroy(id, false, None);
+                                let _ = reply.send(Err(e));
+                            }
+                        }
+                    }
+                    (Ok(started), _) => {
+                        // Deleted while it was being created.
+                        let mut child = started.child;
+                        tokio::spawn(async move {
+                            let _ = child.wait().await;
+                        });
+                        self.spawn_destroy(id.clone(), false, None);
+                        let _ = reply.send(Err(RunError::NotRunning { id, status: "killed" }));
+                    }
+                    (Err((code, msg)), _) => {
+                        tracing::warn!(run = %id, error = %msg, "create failed");
+                        self.set_status(&id, Status::Error, Some(msg.clone()));
+                        let _ = reply.send(Err(if code == 422 {
+                            RunError::Unprocessable(msg)
+                        } else {
+                            RunError::Internal(msg)
+                        }));
+                    }
+                }
+            }
+            Cmd::Get(id, reply) => {
+                let v = self.runs.get(&id).map(|e| self.view(e));
+                let _ = reply.send(v.ok_or(RunError::NotFound(id)));
+            }
+            Cmd::List(filter, reply) => {
+                let mut ids: Vec<&String> = self.runs.keys().collect();
+                ids.sort();
+                let out = ids
+                    .into_iter()
+                    .filter_map(|id| self.runs.get(id))
+                    .filter(|e| filter.status.is_none_or(|s| e.rec.status == s))
+                    .filter(|e| match &filter.label {
+                        None => true,
+                        Some((k, None)) => e.rec.labels.contains_key(k),
+                        Some((k, Some(v))) => e.rec.labels.get(k) == Some(v),
+                    })
+                    .map(|e| self.view(e))
+                    .collect();
+                let _ = reply.send(out);
+            }
+            Cmd::Patch(id, ttl, reply) => {
+                let r = match self.runs.get_mut(&id) {
+                    None => Err(RunError::NotFound(id.clone())),
+                    Some(e) if !e.rec.status.is_live() => {
+                        Err(RunError::NotRunning { id: id.clone(), status: e.rec.status.as_str() })
+                    }
+                    Some(e) => {
+                        e.rec.expires_ms = now_ms() + (ttl as i64) * 1000;
+                        Ok(())
+                    }
+                };
+                let r = r.and_then(|()| self.persist(&id, None, "ttl changed"));
+                let _ = reply.send(r.map(|()| self.runs.get(&id).map(|e| self.view(e)).unwrap_or_default()));
+            }
+            Cmd::Delete(id, purge, reply) => {
+                let Some(e) = self.runs.get(&id) else {
+                    let _ = reply.send(Err(RunError::NotFound(id)));
+                    return;
+                };
+                match e.rec.status {
+                    Status::Running => {
+                        self.set_status(&id, Status::Killed, None);
+                        tracing::info!(run = %id, "run killed");
+                        self.spawn_destroy(id, purge, Some(reply));
+                    }
+                    Status::Creating => {
+                        self.set_status(&id, Status::Killed, None);
+                        let v = self.runs.get(&id).map(|e| self.view(e)).unwrap_or_default();
+                        let _ = reply.send(Ok(v));
+                    }
+                    _ => {
+                        if purge {
+                            // Make sure nothing of it is left, then forget it.
+                            self.spawn_destroy(id, true, Some(reply));
+                        } else {
+                            let v = self.view(e);
+                            let _ = reply.send(Ok(v));
+                        }
+                    }
+                }
+            }
+            Cmd::Destroyed(id, purge, err) => {
+                if let Some(msg) = err {
+                    if let Some(e) = self.runs.get_mut(&id) {
+                        e.rec.error = Some(format!("teardown: {msg}"));
+                    }
+                    let _ = self.persist(&id, None, "teardown failed");
+                } else if purge {
+                    self.runs.remove(&id);
+                    if let Err(e) = self.store.delete_run(&id) {
+                        tracing::error!(run = %id, error = %e, "purge");
+                    }
+                }
+            }
+            Cmd::ExecBegin(id, reply) => {
+                let r = match self.runs.get_mut(&id) {
+                    None => Err(RunError::NotFound(id)),
+                    Some(e) => match (e.rec.status, e.shim) {
+                        (Status::Running, Some(s)) => {
+                            e.in_flight += 1;
+                            let mut base_env = vec![
+                                ("PATH".to_string(), sbx_runtime::spec::DEFAULT_PATH.to_string()),
+                                ("HOME".to_string(), "/work".to_string()),
+                                ("HOSTNAME".to_string(), id.clone()),
+                            ];
+                            base_env.extend(e.env.iter().cloned());
+                            Ok(ExecTicket {
+                                cgroup: format!("{}/exec-{}", self.host.cgroup(&id), ulid::Ulid::new()),
+                                id,
+                                init_pid: s.init_pid,
+                                init_start: s.init_start,
+                                uid: e.rec.uid,
+                                gid: e.rec.gid,
+                                workdir: e.rec.workdir.clone(),
+                                base_env,
+                            })
+                        }
+                        (status, _) => Err(RunError::NotRunning { id, status: status.as_str() }),
+                    },
+                };
+                let _ = reply.send(r);
+            }
+            Cmd::FilesBegin(id, reply) => {
+                let r = match self.runs.get_mut(&id) {
+                    None => Err(RunError::NotFound(id)),
+                    Some(e) if e.rec.status == Status::Running => {
+                        e.in_flight += 1;
+                        Ok(FilesTicket {
+                            rootfs: self.host.paths(&id).rootfs(),
+                            uid: e.rec.uid,
+                            gid: e.rec.gid,
+                        })
+                    }
+                    Some(e) => Err(RunError::NotRunning { id, status: e.rec.status.as_str() }),
+                };
+                let _ = reply.send(r);
+            }
+            Cmd::OpEnd(id) => {
+                if let Some(e) = self.runs.get_mut(&id) {
+                    e.in_flight = e.in_flight.saturating_sub(1);
+                }
+            }
+            Cmd::Tick => {
+                let now = now_ms();
+                let expired: Vec<String> = self
+                    .runs
+                    .values()
+                    .filter(|e| e.rec.status == Status::Running && e.rec.expires_ms <= now)
+                    .map(|e| e.rec.id.clone())
+                    .collect();
+                for id in expired {
+                    tracing::info!(run = %id, "run expired");
+                    self.set_status(&id, Status::Expired, None);
+                    self.spawn_destroy(id, false, None);
+                }
+            }
+            Cmd::ShimExited(id, shim_start) => {
+                let live = self
+                    .runs
+                    .get(&id)
+                    .is_some_and(|e| e.rec.status == Status::Running && e.shim.map(|s| s.shim_start) == Some(shim_start));
+                if live && !self.shutting_down {
+                    tracing::warn!(run = %id, "sandbox exited on its own");
+                    self.set_status(&id, Status::Error, Some("sandbox exited unexpectedly".into()));
+                    self.spawn_destroy(id, false, None);
+                }
+            }
+            Cmd::Shutdown(stop_runs, reply) => {
+                self.shutting_down = true;
+                if stop_runs {
+                    let live: Vec<String> = self
+                        .runs
+                        .values()
+                        .filter(|e| e.rec.status.is_live())
+                        .map(|e| e.rec.id.clone())
+                        .collect();
+                    let host = self.host.clone();
+                    for id in &live {
+                        self.set_status(id, Status::Killed, Some("daemon stopped with --stop-runs-on-exit".into()));
+                    }
+                    tokio::spawn(async move {
+                        let _ = tokio::task::spawn_blocking(move || {
+                            for id in live {
+                                if let Err(e) = sandbox::destroy(&host, &id) {
+                                    tracing::error!(run = %id, error = %e, "teardown on exit");
+                                }
+                            }
+                        })
+                        .await;
+                        let _ = reply.send(());
+                    });
+                } else {
+                    let _ = reply.send(());
+                }
+            }
+        }
+    }
+
+    /// Start-up reconciliation: re-adopt live runs, mark vanished ones
+    /// `error`, remove everything of this daemon's that has no live record.
+    fn reconcile(&mut self) -> Result<(), RunError> {
+        let stored = self.store.load_runs().map_err(|e| RunError::Internal(e.to_string()))?;
+        let mut adopted = Vec::new();
+        let mut gone = Vec::new();
+        for s in stored {
+            let Ok(rec) = serde_json::from_value::<Record>(s.record["rec"].clone()) else {
+                tracing::error!(record = %s.record, "unreadable run record skipped");
+                continue;
+            };
+            let shim: Option<ShimState> = serde_json::from_value(s.record["shim"].clone())
+                .ok()
+                .or_else(|| ShimState::load(&self.host.paths(&rec.id)).ok());
+            let id = rec.id.clone();
+            let live = rec.status.is_live() && shim.is_some_and(|s| s.init_alive() && s.shim_alive());
+            let env = if live {
+                s.env_sealed
+                    .as_deref()
+                    .and_then(|b| self.sealer.open(b).ok())
+                    .and_then(|b| serde_json::from_slice::<Vec<(String, String)>>(&b).ok())
+                    .unwrap_or_default()
+            } else {
+                Vec::new()
+            };
+            let was_live = rec.status.is_live();
+            self.runs.insert(id.clone(), Entry { rec, env, shim, in_flight: 0 });
+            if live {
+                if let Some(e) = self.runs.get_mut(&id) {
+                    e.rec.status = Status::Running;
+                }
+                adopted.push(id);
+            } else if was_live {
+                gone.push(id);
+            }
+        }
+        for id in &gone {
+            tracing::warn!(run = %id, "sandbox gone after restart");
+            self.set_status(id, Status::Error, Some("sandbox was gone after a daemon restart".into()));
+        }
+        for id in &adopted {
+            if let Some(s) = self.runs.get(id).and_then(|e| e.shim) {
+                tracing::info!(run = %id, "re-adopted run");
+                self.watch(id.clone(), None, s);
+            }
+        }
+        // Everything on disk, in cgroups or in the process table that no
+        // live record owns is an orphan.
+        let live: std::collections::HashSet<String> = adopted.into_iter().collect();
+        let mut orphans: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
+        if let Ok(rd) = std::fs::read_dir(self.host.runs_dir()) {
+            orphans.extend(rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()));
+        }
+        orphans.extend(sbx_runtime::cgroups::children(&self.host.layout, &self.host.cgroup_parent));
+        orphans.extend(sandbox::find_shims(&self.host.runs_dir()).into_iter().map(|(_, id)| id));
+        orphans.retain(|id| !live.contains(id));
+        for id in orphans {
+            tracing::info!(run = %id, "removing orphan");
+            if let Err(e) = sandbox::destroy(&self.host, &id) {
+                tracing::error!(run = %id, error = %format!("{:#}", anyhow::Error::from(e)), "orphan teardown");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Resolves when the process `pid` (started at `start`) has exited.
+async fn wait_pid_exit(pid: i32, start: u64) {
+    loop {
+        if sbx_runtime::start_time(pid) != Some(start) {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+}
+
+impl Runs {
+    /// Opens the store, reconciles with the kernel and starts the owner task.
+    pub fn start(host: Arc<Host>, server: String, images: Arc<crate::imagesvc::Images>) -> anyhow::Result<Runs> {
+        std::fs::create_dir_all(host.runs_dir())?;
+        let store = Store::open(&host.state_dir.join("sbx.db"))?;
+        let sealer = Sealer::load_or_create(&host.state_dir.join("env.key"))?;
+        let (tx, mut rx) = mpsc::channel(1024);
+        let mut reg = Registry {
+            host,
+            server,
+            store,
+            sealer,
+            runs: HashMap::new(),
+            tx: tx.clone(),
+            images,
+            shutting_down: false,
+        };
+        reg.reconcile()?;
+        tokio::spawn(async move {
+            while let Some(cmd) = rx.recv().await {
+                reg.handle(cmd);
+            }
+        });
+        Ok(Runs { tx })
+    }
+
+    async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Cmd) -> Result<T, RunError> {
+        let (tx, rx) = oneshot::channel();
+        self.tx.send(make(tx)).await.map_err(|_| RunError::ShuttingDown)?;
+        rx.await.map_err(|_| RunError::ShuttingDown)
+    }
+
+    pub async fn create(&self, plan: CreatePlan) -> Result<Value, RunError> {
+        self.ask(|r| Cmd::Create(Box::new(plan), r)).await?
+    }
+    pub async fn get(&self, id: &str) -> Result<Value, RunError> {
+        self.ask(|r| Cmd::Get(id.to_string(), r)).await?
+    }
+    pub async fn list(&self, filter: ListFilter) -> Result<Vec<Value>, RunError> {
+        self.ask(|r| Cmd::List(filter, r)).await
+    }
+    pub async fn patch_ttl(&self, id: &str, ttl_secs: u64) -> Result<Value, RunError> {
+        self.ask(|r| Cmd::Patch(id.to_string(), ttl_secs, r)).await?
+    }
+    /// Kills the run and returns once it is torn down.
+    pub async fn delete(&self, id: &str, purge: bool) -> Result<(), RunError> {
+        self.ask(|r| Cmd::Delete(id.to_string(), purge, r)).await?.map(|_| ())
+    }
+    pub async fn exec_begin(&self, id: &str) -> Result<ExecTicket, RunError> {
+        self.ask(|r| Cmd::ExecBegin(id.to_string(), r)).await?
+    }
+    pub async fn files_begin(&self, id: &str) -> Result<FilesTicket, RunError> {
+        self.ask(|r| Cmd::FilesBegin(id.to_string(), r)).await?
+    }
+    pub async fn op_end(&self, id: &str) {
+        let _ = self.tx.send(Cmd::OpEnd(id.to_string())).await;
+    }
+    pub async fn tick(&self) {
+        let _ = self.tx.send(Cmd::Tick).await;
+    }
+    pub async fn shutdown(&self, stop_runs: bool) {
+        let _ = self.ask(|r| Cmd::Shutdown(stop_runs, r)).await;
+    }
+}

@@ -1,0 +1,252 @@
+//! The kernel side of one run, driven from the daemon: lay out the root,
+//! write the bundle, spawn the shim and wait for it; and tear everything
+//! down again (shim, processes, cgroups, mounts, files) — including after a
+//! crash, from whatever is left on disk.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use tokio::io::AsyncBufReadExt;
+
+use sbx_images::host::{self, RunUser};
+use sbx_runtime::{cgroups, spec, BindMount, Layout, RunPaths, RunSpec, ShimState};
+
+use super::model::CreatePlan;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    #[error("prepare root filesystem in {path}")]
+    Rootfs {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("write bundle")]
+    Bundle(#[source] std::io::Error),
+    #[error("spawn shim")]
+    Spawn(#[source] std::io::Error),
+    #[error("shim failed: {0}")]
+    Shim(String),
+    #[error("read shim state")]
+    ShimState(#[source] std::io::Error),
+    #[error("mount image")]
+    Mount(#[source] sbx_images::overlay::OverlayError),
+    #[error("remove cgroups")]
+    Cgroups(#[source] cgroups::CgroupError),
+    #[error("mounts remain under {0}")]
+    MountsRemain(PathBuf),
+    #[error("remove {path}")]
+    Remove {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Host facts every run needs, fixed at start.
+#[derive(Debug, Clone)]
+pub struct Host {
+    pub state_dir: PathBuf,
+    pub layout: Layout,
+    pub self_exe: PathBuf,
+    /// cgroup parent of this daemon's runs, e.g. `/sbx-1a2b3c4d`.
+    pub cgroup_parent: String,
+}
+
+impl Host {
+    pub fn runs_dir(&self) -> PathBuf {
+        self.state_dir.join("runs")
+    }
+    pub fn paths(&self, id: &str) -> RunPaths {
+        RunPaths::new(self.runs_dir().join(id))
+    }
+    pub fn cgroup(&self, id: &str) -> String {
+        format!("{}/{id}", self.cgroup_parent)
+    }
+}
+
+/// The root of a run: the `host` image, or an overlay of image layers.
+#[derive(Debug, Clone)]
+pub enum Root {
+    Host,
+    Layers(Vec<PathBuf>),
+}
+
+fn chown_work(rootfs: &Path, workdir: &str, uid: u32, gid: u32) -> std::io::Result<()> {
+    for dir in ["/work", workdir] {
+        let p = rootfs.join(dir.trim_start_matches('/'));
+        std::fs::create_dir_all(&p)?;
+        std::os::unix::fs::chown(&p, Some(uid), Some(gid))?;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755))?;
+    }
+    Ok(())
+}
+
+/// Lays out the run directory and its root; blocking.
+fn prepare(host: &Host, id: &str, plan: &CreatePlan, root: &Root) -> Result<RunSpec, SandboxError> {
+    let paths = host.paths(id);
+    let rootfs = paths.rootfs();
+    let err = |source| SandboxError::Rootfs { path: rootfs.clone(), source };
+    std::fs::create_dir_all(&rootfs).map_err(err)?;
+    std::fs::set_permissions(&paths.dir, std::fs::Permissions::from_mode(0o711)).map_err(err)?;
+    let user = RunUser { uid: plan.uid, gid: plan.gid };
+    let mut ro_binds = Vec::new();
+    match root {
+        Root::Host => {
+            for b in host::prepare(&rootfs, Path::new("/"), id, user).map_err(err)? {
+                ro_binds.push(BindMount { source: b.source, destination: b.destination });
+            }
+        }
+        Root::Layers(layers) => {
+            std::fs::create_dir_all(paths.upper()).map_err(err)?;
+            std::fs::create_dir_all(paths.overlay_work()).map_err(err)?;
+            sbx_images::overlay::mount(layers, &paths.upper(), &paths.overlay_work(), &rootfs)
+                .map_err(SandboxError::Mount)?;
+            for d in ["proc", "dev", "sys", "tmp", ".sbx"] {
+                std::fs::create_dir_all(rootfs.join(d)).map_err(err)?;
+            }
+            std::fs::write(rootfs.join("etc/hostname"), format!("{id}\n")).ok();
+        }
+    }
+    chown_work(&rootfs, &plan.workdir, plan.uid, plan.gid).map_err(err)?;
+    let mut env = vec!["HOME=/work".to_string(), format!("HOSTNAME={id}")];
+    env.push(format!("PATH={}", spec::DEFAULT_PATH));
+    Ok(RunSpec {
+        id: id.to_string(),
+        rootfs,
+        init_binary: host.self_exe.clone(),
+        uid: plan.uid,
+        gid: plan.gid,
+        env,
+        limits: plan.limits,
+        cgroups_path: host.cgroup(id),
+        ro_binds,
+        swap_accounting: host.layout.swap_accounting(),
+        nofile: spec::nofile_limit(),
+    })
+}
+
+/// A shim that reported ready; `child` must be waited on by the caller.
+pub struct Started {
+    pub shim: ShimState,
+    pub child: tokio::process::Child,
+}
+
+/// Creates the run: root, bundle, shim. On error everything is torn down.
+pub async fn create(host: &Host, id: &str, plan: &CreatePlan, root: Root) -> Result<Started, SandboxError> {
+    let result = create_inner(host, id, plan, root).await;
+    if result.is_err() {
+        let (h, i) = (host.clone(), id.to_string());
+        let _ = tokio::task::spawn_blocking(move || destroy(&h, &i)).await;
+    }
+    result
+}
+
+async fn create_inner(host: &Host, id: &str, plan: &CreatePlan, root: Root) -> Result<Started, SandboxError> {
+    let (h, i, p) = (host.clone(), id.to_string(), plan.clone());
+    let spec = tokio::task::spawn_blocking(move || prepare(&h, &i, &p, &root))
+        .await
+        .map_err(|e| SandboxError::Shim(e.to_string()))??;
+    let paths = host.paths(id);
+    spec::write_bundle(&paths.bundle(), &spec).map_err(SandboxError::Bundle)?;
+    let log = std::fs::File::create(paths.shim_log()).map_err(SandboxError::Spawn)?;
+    let mut child = tokio::process::Command::new(&host.self_exe)
+        .arg("shim")
+        .arg(&paths.dir)
+        .arg(id)
+        .env_clear()
+        .env("RUST_LOG", "error")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(log)
+        .spawn()
+        .map_err(SandboxError::Spawn)?;
+    let stdout = child.stdout.take().ok_or_else(|| SandboxError::Shim("no stdout".into()))?;
+    let mut line = String::new();
+    let mut reader = tokio::io::BufReader::new(stdout);
+    let read = reader.read_line(&mut line);
+    let ok = tokio::time::timeout(Duration::from_secs(30), read).await;
+    if !matches!(ok, Ok(Ok(n)) if n > 0) || !line.starts_with("ready ") {
+        let _ = child.start_kill();
+        let _ = child.wait().await;
+        let msg = line.strip_prefix("error ").unwrap_or("shim exited without a word").trim();
+        let log = std::fs::read_to_string(paths.shim_log()).unwrap_or_default();
+        let last: Vec<&str> = log.lines().rev().take(3).collect();
+        tracing::warn!(run = id, shim_log = %last.join(" | "), "shim failed");
+        return Err(SandboxError::Shim(msg.to_string()));
+    }
+    let shim = ShimState::load(&paths).map_err(SandboxError::ShimState)?;
+    Ok(Started { shim, child })
+}
+
+/// Tears a run down completely; blocking. Safe to call on anything left
+/// behind, any number of times.
+pub fn destroy(host: &Host, id: &str) -> Result<(), SandboxError> {
+    let paths = host.paths(id);
+    if let Ok(state) = ShimState::load(&paths) {
+        stop_shim(&state);
+    } else {
+        for pid in find_shims(&host.runs_dir()).into_iter().filter(|(_, i)| i == id) {
+            let _ = kill(Pid::from_raw(pid.0), Signal::SIGKILL);
+        }
+    }
+    cgroups::destroy_tree(&host.layout, &host.cgroup(id), Duration::from_secs(5)).map_err(SandboxError::Cgroups)?;
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mut mounts = sbx_images::overlay::mounts_under(&mountinfo, &paths.dir);
+    mounts.sort_by_key(|m| std::cmp::Reverse(m.components().count()));
+    for m in mounts {
+        sbx_images::overlay::unmount(&m).map_err(SandboxError::Mount)?;
+    }
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    if !sbx_images::overlay::mounts_under(&mountinfo, &paths.dir).is_empty() {
+        return Err(SandboxError::MountsRemain(paths.dir));
+    }
+    match std::fs::remove_dir_all(&paths.dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(SandboxError::Remove { path: paths.dir, source }),
+    }
+}
+
+fn stop_shim(state: &ShimState) {
+    if state.shim_alive() {
+        let _ = kill(Pid::from_raw(state.shim_pid), Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while state.shim_alive() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        if state.shim_alive() {
+            let _ = kill(Pid::from_raw(state.shim_pid), Signal::SIGKILL);
+        }
+    }
+    if state.init_alive() {
+        let _ = kill(Pid::from_raw(state.init_pid), Signal::SIGKILL);
+    }
+}
+
+/// `(pid, run id)` of every shim process serving a run under `runs_dir`.
+pub fn find_shims(runs_dir: &Path) -> Vec<(i32, String)> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for e in rd.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(cmd) = std::fs::read(e.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
+        if args.len() >= 4 && args[1] == b"shim" {
+            let dir = PathBuf::from(String::from_utf8_lossy(args[2]).into_owned());
+            if dir.parent() == Some(runs_dir) {
+                out.push((pid, String::from_utf8_lossy(args[3]).into_owned()));
+            }
+        }
+    }
+    out
+}
