@@ -69,12 +69,22 @@ impl ShimState {
     }
 
     pub fn shim_alive(&self) -> bool {
-        start_time(self.shim_pid) == Some(self.shim_start)
+        alive(self.shim_pid, self.shim_start)
     }
 
     pub fn init_alive(&self) -> bool {
-        start_time(self.init_pid) == Some(self.init_start)
+        alive(self.init_pid, self.init_start)
     }
+}
+
+/// Whether the process `pid` started at `start` is still running (a zombie
+/// waiting to be reaped counts as gone).
+pub fn alive(pid: i32, start: u64) -> bool {
+    let Ok(text) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let state = text.rfind(')').and_then(|i| text[i + 1..].split_whitespace().next());
+    !matches!(state, Some("Z") | Some("X")) && parse_start_time(&text) == Some(start)
 }
 
 /// A process's start time (clock ticks since boot, field 22 of

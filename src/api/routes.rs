@@ -203,7 +203,10 @@ pub async fn exec(State(st): State<Shared>, Path(id): Path<String>, headers: Hea
             match ev {
                 ExecEvent::Stdout(b) => truncated |= append_capped(&mut out, &b),
                 ExecEvent::Stderr(b) => truncated |= append_capped(&mut err, &b),
-                ExecEvent::Exit(x) => exit = Some(x),
+                ExecEvent::Exit(x) => {
+                    exit = Some(x);
+                    break;
+                }
             }
         }
         let x = exit.ok_or_else(|| ApiError::Internal("exec ended without an exit".into()))?;
@@ -260,7 +263,8 @@ fn async_stream(mut rx: mpsc::Receiver<ExecEvent>) -> impl futures_util::Stream<
                     }
                     let mut v = serde_json::to_value(x).unwrap_or_default();
                     v["truncated"] = json!(false);
-                    Event::default().event("exit").data(v.to_string())
+                    let _ = etx.send(Ok(Event::default().event("exit").data(v.to_string()))).await;
+                    break;
                 }
             };
             if etx.send(Ok(event)).await.is_err() {

@@ -90,8 +90,8 @@ pub async fn run(host: &Host, ticket: &ExecTicket, plan: ExecPlan, tx: mpsc::Sen
         }
         drop(stdin);
     });
-    let out_task = tokio::spawn(pump(stdout, tx.clone(), ExecEvent::Stdout));
-    let err_task = tokio::spawn(pump(stderr, tx.clone(), ExecEvent::Stderr));
+    let mut out_task = tokio::spawn(pump(stdout, tx.clone(), ExecEvent::Stdout));
+    let mut err_task = tokio::spawn(pump(stderr, tx.clone(), ExecEvent::Stderr));
 
     let timeout = Duration::from_secs(plan.timeout_secs);
     let (status, timed_out) = match tokio::time::timeout(timeout, child.wait()).await {
@@ -106,11 +106,14 @@ pub async fn run(host: &Host, ticket: &ExecTicket, plan: ExecPlan, tx: mpsc::Sen
     };
     feeder.abort();
     // The command's process is gone; give the pipes a bounded moment to drain.
+    // A background process may hold the pipes open for ever; stop there.
     let drain = async {
-        let _ = out_task.await;
-        let _ = err_task.await;
+        let _ = (&mut out_task).await;
+        let _ = (&mut err_task).await;
     };
     let _ = tokio::time::timeout(DRAIN_DEADLINE, drain).await;
+    out_task.abort();
+    err_task.abort();
     let exit_code = if timed_out {
         124
     } else {

@@ -583,7 +583,7 @@ impl Registry {
 /// Resolves when the process `pid` (started at `start`) has exited.
 async fn wait_pid_exit(pid: i32, start: u64) {
     loop {
-        if sbx_runtime::start_time(pid) != Some(start) {
+        if !sbx_runtime::alive(pid, start) {
             return;
         }
         tokio::time::sleep(std::time::Duration::from_millis(500)).await;

@@ -1,0 +1,241 @@
+//! A real daemon for end-to-end tests: root, a private state dir and port.
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+/// Privileged tests need root. In CI (`SBX_REQUIRE_E2E=1`) anything else is
+/// a failure; a plain `cargo test` as a user prints why it skipped.
+pub fn require_root(name: &str) -> bool {
+    if nix::unistd::geteuid().is_root() {
+        return true;
+    }
+    if std::env::var("SBX_REQUIRE_E2E").is_ok_and(|v| v == "1") {
+        panic!("{name}: end-to-end tests must run as root (SBX_REQUIRE_E2E=1)");
+    }
+    eprintln!("SKIPPED {name}: end-to-end tests need root; run scripts/test as root");
+    false
+}
+
+pub struct Daemon {
+    pub child: Option<Child>,
+    pub state: PathBuf,
+    pub port: u16,
+    pub token: String,
+    pub extra: Vec<String>,
+    _tmp: Option<tempfile::TempDir>,
+    pub http: reqwest::blocking::Client,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_sbx")
+}
+
+impl Daemon {
+    pub fn start(extra: &[&str]) -> Daemon {
+        let tmp = tempfile::Builder::new().prefix("sbx-e2e-").tempdir().expect("tempdir");
+        let mut d = Daemon {
+            child: None,
+            state: tmp.path().to_path_buf(),
+            port: free_port(),
+            token: String::new(),
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+            _tmp: Some(tmp),
+            http: reqwest::blocking::Client::builder()
+                .timeout(Duration::from_secs(120))
+                .build()
+                .expect("client"),
+        };
+        d.spawn();
+        d
+    }
+
+    pub fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.state.with_extension("log"))
+            .expect("log");
+        let child = Command::new(bin())
+            .arg("serve")
+            .arg("--state-dir")
+            .arg(&self.state)
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{}", self.port))
+            .arg("--server-name")
+            .arg("e2e")
+            .args(&self.extra)
+            .env("SBX_CONFIG", "/dev/null")
+            .env("SBX_REAPER_TICK_SECS", "1")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("spawn daemon");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(r) = self.http.get(self.url("/health")).send() {
+                if r.status().is_success() {
+                    break;
+                }
+            }
+            assert!(Instant::now() < deadline, "daemon did not come up; log:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.token = std::fs::read_to_string(self.state.join("token")).expect("token").trim().to_string();
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.state.with_extension("log")).unwrap_or_default()
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{}", self.port, path)
+    }
+
+    pub fn req(&self, m: reqwest::Method, path: &str) -> reqwest::blocking::RequestBuilder {
+        self.http.request(m, self.url(path)).bearer_auth(&self.token)
+    }
+
+    /// (status, JSON body) of a request.
+    pub fn call(&self, m: reqwest::Method, path: &str, body: Option<Value>) -> (u16, Value) {
+        let mut rb = self.req(m, path);
+        if let Some(b) = body {
+            rb = rb.json(&b);
+        }
+        let r = rb.send().expect("request");
+        let status = r.status().as_u16();
+        let text = r.text().expect("body");
+        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    }
+
+    pub fn create(&self, body: Value) -> String {
+        let (s, v) = self.call(reqwest::Method::POST, "/v1/runs", Some(body));
+        assert_eq!(s, 201, "create failed: {v}\n{}", self.log());
+        v["id"].as_str().expect("id").to_string()
+    }
+
+    /// Buffered exec.
+    pub fn exec(&self, id: &str, body: Value) -> Value {
+        let r = self
+            .req(reqwest::Method::POST, &format!("/v1/runs/{id}/exec"))
+            .header("accept", "application/json")
+            .json(&body)
+            .send()
+            .expect("exec");
+        let status = r.status().as_u16();
+        let v: Value = r.json().expect("json");
+        assert_eq!(status, 200, "exec failed: {v}");
+        v
+    }
+
+    pub fn sh(&self, id: &str, cmd: &str) -> Value {
+        self.exec(id, json!({"cmd": cmd}))
+    }
+
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn sigterm(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), nix::sys::signal::Signal::SIGTERM);
+            let _ = c.wait();
+        }
+    }
+
+    pub fn cgroup_parent(&self) -> String {
+        use sha2::Digest;
+        let canon = self.state.canonicalize().expect("canon");
+        let h = sha2::Sha256::digest(canon.as_os_str().as_encoded_bytes());
+        format!("sbx-{}", h.iter().take(4).map(|b| format!("{b:02x}")).collect::<String>())
+    }
+
+    /// Everything this daemon left on the host for run `id`.
+    pub fn leftovers(&self, id: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        let run_dir = self.state.join("runs").join(id);
+        if run_dir.exists() {
+            out.push(format!("dir {}", run_dir.display()));
+        }
+        let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        for l in mounts.lines().filter(|l| l.contains(id)) {
+            out.push(format!("mount {l}"));
+        }
+        for cg in cgroup_dirs(&self.cgroup_parent(), id) {
+            if cg.exists() {
+                out.push(format!("cgroup {}", cg.display()));
+            }
+        }
+        for p in procs_mentioning(id) {
+            out.push(format!("process {p}"));
+        }
+        out
+    }
+}
+
+pub fn cgroup_dirs(parent: &str, id: &str) -> Vec<PathBuf> {
+    let mut v = Vec::new();
+    if let Ok(rd) = std::fs::read_dir("/sys/fs/cgroup") {
+        for e in rd.flatten() {
+            v.push(e.path().join(parent).join(id));
+        }
+    }
+    v.push(Path::new("/sys/fs/cgroup").join(parent).join(id));
+    v
+}
+
+pub fn procs_mentioning(id: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").expect("proc").flatten() {
+        if e.file_name().to_string_lossy().parse::<u32>().is_err() {
+            continue;
+        }
+        if let Ok(c) = std::fs::read(e.path().join("cmdline")) {
+            let s = String::from_utf8_lossy(&c).replace('\0', " ");
+            if s.contains(id) {
+                out.push(format!("{} {s}", e.file_name().to_string_lossy()));
+            }
+        }
+    }
+    out
+}
+
+pub fn wait_for(what: &str, secs: u64, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !f() {
+        assert!(Instant::now() < deadline, "gave up waiting for {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // Leave nothing behind: stop the daemon with its runs.
+        self.kill9();
+        self.extra.push("--stop-runs-on-exit".into());
+        if self.state.join("token").exists() {
+            self.spawn();
+            self.sigterm();
+        }
+    }
+}
+
+pub fn json_of(v: &Value, k: &str) -> String {
+    v[k].as_str().unwrap_or_default().to_string()
+}
