@@ -129,26 +129,33 @@ pub struct Config {
 
 /// The default template table, as the TypeScript seed has it.
 pub fn default_templates() -> BTreeMap<String, Template> {
-    [("base", "ubuntu:24.04"), ("python", "python:3.12-slim"), ("node", "node:22-slim")]
-        .into_iter()
-        .map(|(k, v)| {
-            (
-                k.to_string(),
-                Template {
-                    image: v.to_string(),
-                    user: default_user(),
-                    workdir: default_workdir(),
-                },
-            )
-        })
-        .collect()
+    [
+        ("base", "ubuntu:24.04"),
+        ("python", "python:3.12-slim"),
+        ("node", "node:22-slim"),
+    ]
+    .into_iter()
+    .map(|(k, v)| {
+        (
+            k.to_string(),
+            Template {
+                image: v.to_string(),
+                user: default_user(),
+                workdir: default_workdir(),
+            },
+        )
+    })
+    .collect()
 }
 
 fn env(vars: &BTreeMap<String, String>, key: &str) -> Option<String> {
     vars.get(key).cloned()
 }
 
-fn parse_env<T: std::str::FromStr>(vars: &BTreeMap<String, String>, key: &str) -> Result<Option<T>, ConfigError> {
+fn parse_env<T: std::str::FromStr>(
+    vars: &BTreeMap<String, String>,
+    key: &str,
+) -> Result<Option<T>, ConfigError> {
     match vars.get(key) {
         None => Ok(None),
         Some(v) => v
@@ -160,7 +167,10 @@ fn parse_env<T: std::str::FromStr>(vars: &BTreeMap<String, String>, key: &str) -
 
 impl Config {
     /// Loads file → env → flags. `vars` is the process environment.
-    pub fn load(flags: &ServeFlags, vars: &BTreeMap<String, String>) -> Result<Config, ConfigError> {
+    pub fn load(
+        flags: &ServeFlags,
+        vars: &BTreeMap<String, String>,
+    ) -> Result<Config, ConfigError> {
         let path = flags
             .config
             .clone()
@@ -172,13 +182,19 @@ impl Config {
                 path: path.clone(),
                 message: e.to_string(),
             })?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => FileConfig::default(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => {
+                FileConfig::default()
+            }
             Err(source) => return Err(ConfigError::Read { path, source }),
         };
         Config::resolve(file, flags, vars)
     }
 
-    pub fn resolve(file: FileConfig, flags: &ServeFlags, vars: &BTreeMap<String, String>) -> Result<Config, ConfigError> {
+    pub fn resolve(
+        file: FileConfig,
+        flags: &ServeFlags,
+        vars: &BTreeMap<String, String>,
+    ) -> Result<Config, ConfigError> {
         let listen_s = flags
             .listen
             .clone()
@@ -260,10 +276,15 @@ impl Config {
         insecure.extend(file.insecure_registry.unwrap_or_default());
         for r in &insecure {
             if r.is_empty() || r.contains('/') {
-                return Err(invalid("insecure-registry", format!("{r:?} is not HOST[:PORT]")));
+                return Err(invalid(
+                    "insecure-registry",
+                    format!("{r:?} is not HOST[:PORT]"),
+                ));
             }
         }
-        let max_file_mb = parse_env(vars, "SBX_MAX_FILE_MB")?.or(file.max_file_mb).unwrap_or(64);
+        let max_file_mb = parse_env(vars, "SBX_MAX_FILE_MB")?
+            .or(file.max_file_mb)
+            .unwrap_or(64);
         if max_file_mb == 0 {
             return Err(invalid("max-file-mb", "must be at least 1"));
         }
@@ -273,7 +294,9 @@ impl Config {
         if !(1..=5).contains(&reaper_tick_secs) {
             return Err(invalid("reaper-tick-secs", "must be between 1 and 5"));
         }
-        let unpack_max_mb = parse_env(vars, "SBX_UNPACK_MAX_MB")?.or(file.unpack_max_mb).unwrap_or(16 * 1024);
+        let unpack_max_mb = parse_env(vars, "SBX_UNPACK_MAX_MB")?
+            .or(file.unpack_max_mb)
+            .unwrap_or(16 * 1024);
         let unpack_max_entries = parse_env(vars, "SBX_UNPACK_MAX_ENTRIES")?
             .or(file.unpack_max_entries)
             .unwrap_or(1_000_000);
@@ -288,7 +311,10 @@ impl Config {
             crate::runs::parse_user(&t.user)
                 .map_err(|reason| invalid(&format!("templates.{name}.user"), reason))?;
             if !t.workdir.starts_with('/') {
-                return Err(invalid(&format!("templates.{name}.workdir"), "must be absolute"));
+                return Err(invalid(
+                    &format!("templates.{name}.workdir"),
+                    "must be absolute",
+                ));
             }
         }
         Ok(Config {
@@ -315,17 +341,21 @@ mod tests {
     use super::*;
 
     fn vars(kv: &[(&str, &str)]) -> BTreeMap<String, String> {
-        kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        kv.iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
     fn flags_override_env_override_file() {
-        let file: FileConfig = toml::from_str("listen = \"127.0.0.1:1\"\nserver-name = \"file\"").expect("toml");
+        let file: FileConfig =
+            toml::from_str("listen = \"127.0.0.1:1\"\nserver-name = \"file\"").expect("toml");
         let flags = ServeFlags {
             server_name: Some("flag".into()),
             ..Default::default()
         };
-        let c = Config::resolve(file, &flags, &vars(&[("SBX_LISTEN", "127.0.0.1:2")])).expect("config");
+        let c =
+            Config::resolve(file, &flags, &vars(&[("SBX_LISTEN", "127.0.0.1:2")])).expect("config");
         assert_eq!(c.listen.port(), 2);
         assert_eq!(c.server_name, "flag");
         assert_eq!(c.templates["python"].image, "python:3.12-slim");
@@ -334,15 +364,23 @@ mod tests {
 
     #[test]
     fn refuses_public_listen_without_the_flag() {
-        let err = Config::resolve(FileConfig::default(), &ServeFlags::default(), &vars(&[("SBX_LISTEN", "0.0.0.0:7439")]))
-            .expect_err("must refuse");
+        let err = Config::resolve(
+            FileConfig::default(),
+            &ServeFlags::default(),
+            &vars(&[("SBX_LISTEN", "0.0.0.0:7439")]),
+        )
+        .expect_err("must refuse");
         assert!(err.to_string().starts_with("listen:"), "{err}");
     }
 
     #[test]
     fn malformed_values_name_the_key() {
-        let err = Config::resolve(FileConfig::default(), &ServeFlags::default(), &vars(&[("SBX_REAPER_TICK_SECS", "x")]))
-            .expect_err("must refuse");
+        let err = Config::resolve(
+            FileConfig::default(),
+            &ServeFlags::default(),
+            &vars(&[("SBX_REAPER_TICK_SECS", "x")]),
+        )
+        .expect_err("must refuse");
         assert_eq!(err.to_string(), "SBX_REAPER_TICK_SECS: cannot parse \"x\"");
         let err = toml::from_str::<FileConfig>("bogus = 1").expect_err("unknown key");
         assert!(err.to_string().contains("bogus"));
@@ -352,7 +390,8 @@ mod tests {
     fn template_users_are_validated() {
         let file: FileConfig =
             toml::from_str("[templates.x]\nimage = \"a:b\"\nuser = \"bob\"").expect("toml");
-        let err = Config::resolve(file, &ServeFlags::default(), &BTreeMap::new()).expect_err("bad user");
+        let err =
+            Config::resolve(file, &ServeFlags::default(), &BTreeMap::new()).expect_err("bad user");
         assert!(err.to_string().starts_with("templates.x.user:"), "{err}");
     }
 }

@@ -19,7 +19,11 @@ use clap::{Parser, Subcommand};
 pub static SERVER_NAME: OnceLock<String> = OnceLock::new();
 
 #[derive(Parser)]
-#[command(name = "sbx", version, about = "Isolated, ephemeral Linux sandboxes behind a REST API")]
+#[command(
+    name = "sbx",
+    version,
+    about = "Isolated, ephemeral Linux sandboxes behind a REST API"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Command,
@@ -34,11 +38,10 @@ enum Command {
 }
 
 fn main() {
-    // The helpers dispatch before anything else: the init must stay lean and
-    // the shim and exec helper must stay single-threaded.
+    // The helpers dispatch before anything else: the shim and the exec
+    // helper must stay single-threaded.
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
-        Some("init") => sbx_runtime::init::init_main(),
         Some("shim") if args.len() == 4 => {
             // libcontainer reports through tracing; the shim's stderr is its log file.
             tracing_subscriber::fmt()
@@ -46,7 +49,10 @@ fn main() {
                 .with_ansi(false)
                 .with_writer(std::io::stderr)
                 .init();
-            std::process::exit(sbx_runtime::shim::shim_main(args[2].clone().into(), &args[3]))
+            std::process::exit(sbx_runtime::shim::shim_main(
+                args[2].clone().into(),
+                &args[3],
+            ))
         }
         Some("exec-helper") => std::process::exit(sbx_runtime::exec::helper_main()),
         _ => {}

@@ -29,7 +29,10 @@ pub struct Sealer {
 impl Sealer {
     /// Loads the key, minting it (0600) on first use.
     pub fn load_or_create(path: &Path) -> Result<Sealer, SealError> {
-        let err = |source| SealError::KeyFile { path: path.to_path_buf(), source };
+        let err = |source| SealError::KeyFile {
+            path: path.to_path_buf(),
+            source,
+        };
         let key = match std::fs::read(path) {
             Ok(k) => k,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
@@ -50,7 +53,9 @@ impl Sealer {
             Err(e) => return Err(err(e)),
         };
         if key.len() != 32 {
-            return Err(SealError::KeyLength { path: path.to_path_buf() });
+            return Err(SealError::KeyLength {
+                path: path.to_path_buf(),
+            });
         }
         Ok(Sealer {
             cipher: ChaCha20Poly1305::new(Key::from_slice(&key)),
@@ -61,7 +66,11 @@ impl Sealer {
         let nonce: [u8; 12] = rand::random();
         let mut out = nonce.to_vec();
         // Encryption with a fresh nonce and in-memory buffers cannot fail.
-        out.extend(self.cipher.encrypt(Nonce::from_slice(&nonce), plain).unwrap_or_default());
+        out.extend(
+            self.cipher
+                .encrypt(Nonce::from_slice(&nonce), plain)
+                .unwrap_or_default(),
+        );
         out
     }
 
@@ -89,7 +98,10 @@ mod tests {
         let mode = std::fs::metadata(&key).expect("meta").permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
         let sealed = s.seal(b"TOKEN=hunter2");
-        assert!(!sealed.windows(7).any(|w| w == b"hunter2"), "plaintext must not appear");
+        assert!(
+            !sealed.windows(7).any(|w| w == b"hunter2"),
+            "plaintext must not appear"
+        );
         let again = Sealer::load_or_create(&key).expect("reload");
         assert_eq!(again.open(&sealed).expect("open"), b"TOKEN=hunter2");
         let mut bad = sealed.clone();

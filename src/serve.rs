@@ -45,7 +45,13 @@ pub fn load_or_mint_token(path: &Path) -> anyhow::Result<String> {
 /// `/sbx-<8 hex>`: derived from the state dir so two daemons never share it.
 pub fn cgroup_parent(state_dir: &Path) -> String {
     let h = sha2::Sha256::digest(state_dir.as_os_str().as_encoded_bytes());
-    format!("/sbx-{}", h.iter().take(4).map(|b| format!("{b:02x}")).collect::<String>())
+    format!(
+        "/sbx-{}",
+        h.iter()
+            .take(4)
+            .map(|b| format!("{b:02x}"))
+            .collect::<String>()
+    )
 }
 
 pub fn serve(flags: ServeFlags) -> anyhow::Result<()> {
@@ -54,9 +60,12 @@ pub fn serve(flags: ServeFlags) -> anyhow::Result<()> {
     if !nix::unistd::geteuid().is_root() {
         anyhow::bail!("sbx serve must run as root (namespaces, cgroups and mounts need it)");
     }
-    std::fs::create_dir_all(&cfg.state_dir).with_context(|| format!("create {}", cfg.state_dir.display()))?;
+    std::fs::create_dir_all(&cfg.state_dir)
+        .with_context(|| format!("create {}", cfg.state_dir.display()))?;
     let state_dir = cfg.state_dir.canonicalize()?;
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(run(cfg, state_dir))
 }
 
@@ -64,21 +73,39 @@ async fn run(cfg: Config, state_dir: std::path::PathBuf) -> anyhow::Result<()> {
     let _ = crate::SERVER_NAME.set(cfg.server_name.clone());
     let token = load_or_mint_token(&state_dir.join("token"))?;
     let layout = sbx_runtime::Layout::detect()?;
-    // The sbx binary becomes every run's init (mounted read-only); resolve
-    // it once so an upgrade in place does not change running runs.
+    // Shims and exec helpers are this binary; resolve it once.
     let self_exe = std::fs::canonicalize("/proc/self/exe")?;
+    let init_binary = sbx_runtime::init::install(&state_dir.join("bin"))?;
     let host = Arc::new(Host {
         cgroup_parent: cgroup_parent(&state_dir),
         state_dir: state_dir.clone(),
         layout,
         self_exe,
+        init_binary,
     });
     sbx_runtime::cgroups::create(&host.layout, &host.cgroup_parent)?;
-    let images = Arc::new(crate::imagesvc::Images::new());
-    let runs = Runs::start(host.clone(), cfg.server_name.clone(), images)?;
+    if !cfg.egress_allow.is_empty() {
+        tracing::info!(
+            entries = cfg.egress_allow.len(),
+            "deployment egress allowlist loaded; only the none network tier exists in this build"
+        );
+    }
+    if let Some(root) = &cfg.cache_root {
+        tracing::info!(cache_root = %root.display(), max_gb = cfg.cache_max_gb, "warm repo cache configured; not available in this build");
+    }
+    let images = Arc::new(crate::imagesvc::Images::new(&cfg, &state_dir)?);
+    let runs = Runs::start(host.clone(), cfg.server_name.clone(), images.clone())?;
+    match images.gc().await {
+        Ok(gone) if !gone.is_empty() => {
+            tracing::info!(layers = gone.len(), "removed unreferenced layers")
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "layer garbage collection"),
+    }
     let reaper = crate::reaper::spawn(runs.clone(), cfg.reaper_tick_secs);
     let state = Arc::new(AppState {
         runs: runs.clone(),
+        images,
         host,
         server: cfg.server_name.clone(),
         token,
@@ -95,7 +122,8 @@ async fn run(cfg: Config, state_dir: std::path::PathBuf) -> anyhow::Result<()> {
     tracing::info!(listen = %cfg.listen, state_dir = %state_dir.display(), server = %cfg.server_name, "sbx serving");
     let st = state.clone();
     let shutdown = async move {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {},
             _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {},
@@ -107,7 +135,10 @@ async fn run(cfg: Config, state_dir: std::path::PathBuf) -> anyhow::Result<()> {
     let served = server.await;
     reaper.abort();
     let stop = cfg.stop_runs_on_exit;
-    if tokio::time::timeout(Duration::from_secs(30), runs.shutdown(stop)).await.is_err() {
+    if tokio::time::timeout(Duration::from_secs(30), runs.shutdown(stop))
+        .await
+        .is_err()
+    {
         tracing::error!("shutdown did not finish within 30 s");
     }
     served.context("http server")?;
@@ -134,7 +165,10 @@ mod tests {
         let p = d.path().join("token");
         let t1 = load_or_mint_token(&p).expect("mint");
         assert_eq!(t1.len(), 64);
-        assert_eq!(std::fs::metadata(&p).expect("meta").permissions().mode() & 0o777, 0o600);
+        assert_eq!(
+            std::fs::metadata(&p).expect("meta").permissions().mode() & 0o777,
+            0o600
+        );
         assert_eq!(load_or_mint_token(&p).expect("again"), t1);
     }
 }

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use rusqlite::{params, Connection, OptionalExtension};
+use rusqlite::{params, Connection};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -81,7 +81,8 @@ impl Store {
 
     /// Forgets a run's stored env (it is dead; nothing will exec again).
     pub fn drop_env(&mut self, id: &str) -> Result<(), StoreError> {
-        self.conn.execute("UPDATE runs SET env = NULL WHERE id = ?1", params![id])?;
+        self.conn
+            .execute("UPDATE runs SET env = NULL WHERE id = ?1", params![id])?;
         Ok(())
     }
 
@@ -94,34 +95,36 @@ impl Store {
     }
 
     pub fn load_runs(&self) -> Result<Vec<StoredRun>, StoreError> {
-        let mut stmt = self.conn.prepare("SELECT id, record, env FROM runs ORDER BY id")?;
+        let mut stmt = self
+            .conn
+            .prepare("SELECT id, record, env FROM runs ORDER BY id")?;
         let rows = stmt.query_map([], |r| {
-            Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, Option<Vec<u8>>>(2)?))
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, Option<Vec<u8>>>(2)?,
+            ))
         })?;
         let mut out = Vec::new();
         for row in rows {
             let (id, record, env) = row?;
-            let record = serde_json::from_str(&record).map_err(|source| StoreError::Decode { id, source })?;
-            out.push(StoredRun { record, env_sealed: env });
+            let record = serde_json::from_str(&record)
+                .map_err(|source| StoreError::Decode { id, source })?;
+            out.push(StoredRun {
+                record,
+                env_sealed: env,
+            });
         }
         Ok(out)
     }
 
     /// The status history of a run, oldest first: (status, at_ms, message).
     pub fn history(&self, id: &str) -> Result<Vec<(String, i64, Option<String>)>, StoreError> {
-        let mut stmt = self
-            .conn
-            .prepare("SELECT status, at_ms, message FROM run_events WHERE run_id = ?1 ORDER BY seq")?;
+        let mut stmt = self.conn.prepare(
+            "SELECT status, at_ms, message FROM run_events WHERE run_id = ?1 ORDER BY seq",
+        )?;
         let rows = stmt.query_map(params![id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
         Ok(rows.collect::<Result<_, _>>()?)
-    }
-
-    pub fn has_run(&self, id: &str) -> Result<bool, StoreError> {
-        Ok(self
-            .conn
-            .query_row("SELECT 1 FROM runs WHERE id = ?1", params![id], |_| Ok(()))
-            .optional()?
-            .is_some())
     }
 }
 
@@ -135,22 +138,41 @@ mod tests {
         let db = dir.path().join("sbx.db");
         {
             let mut s = Store::open(&db).expect("open");
-            s.put_run("A", "creating", &serde_json::json!({"id": "A"}), Some(b"sealed"), Some(("", 1)))
-                .expect("put");
-            s.put_run("A", "running", &serde_json::json!({"id": "A", "x": 1}), None, Some(("up", 2)))
-                .expect("put");
+            s.put_run(
+                "A",
+                "creating",
+                &serde_json::json!({"id": "A"}),
+                Some(b"sealed"),
+                Some(("", 1)),
+            )
+            .expect("put");
+            s.put_run(
+                "A",
+                "running",
+                &serde_json::json!({"id": "A", "x": 1}),
+                None,
+                Some(("up", 2)),
+            )
+            .expect("put");
         }
         let mut s = Store::open(&db).expect("reopen");
         let runs = s.load_runs().expect("load");
         assert_eq!(runs.len(), 1);
         assert_eq!(runs[0].record["x"], 1);
-        assert_eq!(runs[0].env_sealed.as_deref(), Some(&b"sealed"[..]), "env kept when not given");
+        assert_eq!(
+            runs[0].env_sealed.as_deref(),
+            Some(&b"sealed"[..]),
+            "env kept when not given"
+        );
         let h = s.history("A").expect("history");
-        assert_eq!(h.iter().map(|e| e.0.as_str()).collect::<Vec<_>>(), vec!["creating", "running"]);
+        assert_eq!(
+            h.iter().map(|e| e.0.as_str()).collect::<Vec<_>>(),
+            vec!["creating", "running"]
+        );
         s.drop_env("A").expect("drop env");
         assert_eq!(s.load_runs().expect("load")[0].env_sealed, None);
         s.delete_run("A").expect("delete");
-        assert!(!s.has_run("A").expect("has"));
+        assert!(s.load_runs().expect("load").is_empty());
         assert!(s.history("A").expect("history").is_empty());
     }
 }

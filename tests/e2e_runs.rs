@@ -15,7 +15,11 @@ fn run_lifecycle_isolation_and_cleanup() {
         return;
     }
     let d = Daemon::start(&[]);
-    let (s, v) = d.call(Method::POST, "/v1/runs", Some(json!({"labels": {"team": "a"}, "limits": {"cpu": 0.5, "memoryMb": 128, "pids": 64}})));
+    let (s, v) = d.call(
+        Method::POST,
+        "/v1/runs",
+        Some(json!({"labels": {"team": "a"}, "limits": {"cpu": 0.5, "memoryMb": 128, "pids": 64}})),
+    );
     assert_eq!(s, 201, "{v}");
     assert_eq!(v["status"], "running");
     assert_eq!(v["server"], "e2e");
@@ -25,43 +29,93 @@ fn run_lifecycle_isolation_and_cleanup() {
     let out = d.sh(&id, "id -u; id -g; hostname; pwd; echo $HOME");
     assert_eq!(out["stdout"], format!("1000\n1000\n{id}\n/work\n/work\n"));
     // No capabilities, no_new_privs, seccomp filtering, in every exec.
-    let out = d.sh(&id, "grep -E '^(CapEff|CapBnd|CapPrm|NoNewPrivs|Seccomp):' /proc/self/status");
+    let out = d.sh(
+        &id,
+        "grep -E '^(CapEff|CapBnd|CapPrm|NoNewPrivs|Seccomp):' /proc/self/status",
+    );
     let status = out["stdout"].as_str().expect("stdout");
     assert!(status.contains("CapEff:\t0000000000000000"), "{status}");
     assert!(status.contains("CapBnd:\t0000000000000000"), "{status}");
     assert!(status.contains("NoNewPrivs:\t1"), "{status}");
     assert!(status.contains("Seccomp:\t2"), "{status}");
     // Own pid namespace with the sbx init as PID 1; only loopback.
-    let out = d.sh(&id, "cat /proc/1/cmdline | tr '\\0' ' '; echo; ls /sys/class/net");
-    assert_eq!(out["stdout"], "/.sbx/init init \nlo\n");
+    let out = d.sh(
+        &id,
+        "cat /proc/1/cmdline | tr '\\0' ' '; echo; ls /sys/class/net",
+    );
+    assert_eq!(out["stdout"], "/.sbx/init \nlo\n");
     // No cgroup filesystem in the run, and the init binary is read-only.
-    let out = d.sh(&id, "ls /sys/fs/cgroup 2>&1 | wc -w; echo x >> /.sbx/init; echo $?");
+    let out = d.sh(
+        &id,
+        "ls /sys/fs/cgroup 2>&1 | wc -w; echo x >> /.sbx/init; echo $?",
+    );
     let text = out["stdout"].as_str().expect("stdout");
     assert!(text.starts_with("0\n"), "cgroupfs visible: {text}");
     assert!(!text.ends_with("\n0\n"), "init binary writable: {text}");
     // Namespace creation and mounts are refused by seccomp.
     let out = d.sh(&id, "unshare -r true 2>&1; echo rc=$?");
-    assert!(out["stdout"].as_str().expect("stdout").contains("rc=1"), "{out}");
+    assert!(
+        out["stdout"].as_str().expect("stdout").contains("rc=1"),
+        "{out}"
+    );
     // The generated /etc holds nothing of the host's.
     let out = d.sh(&id, "ls /etc | tr '\\n' ' '");
-    assert_eq!(out["stdout"], "group hosts nsswitch.conf passwd resolv.conf ");
+    assert_eq!(
+        out["stdout"],
+        "group hosts nsswitch.conf passwd resolv.conf "
+    );
 
     // Limits reached the cgroup (v1 on hybrid hosts, v2 otherwise).
     let parent = d.cgroup_parent();
-    let v1_mem = std::path::Path::new("/sys/fs/cgroup/memory").join(&parent).join(&id);
+    let v1_mem = std::path::Path::new("/sys/fs/cgroup/memory")
+        .join(&parent)
+        .join(&id);
     if v1_mem.exists() {
-        let read = |p: &str| std::fs::read_to_string(std::path::Path::new("/sys/fs/cgroup").join(p).join(&parent).join(&id).join(p.split('/').next_back().unwrap_or(p))).unwrap_or_default();
+        let read = |p: &str| {
+            std::fs::read_to_string(
+                std::path::Path::new("/sys/fs/cgroup")
+                    .join(p)
+                    .join(&parent)
+                    .join(&id)
+                    .join(p.split('/').next_back().unwrap_or(p)),
+            )
+            .unwrap_or_default()
+        };
         let mem = std::fs::read_to_string(v1_mem.join("memory.limit_in_bytes")).expect("mem");
         assert_eq!(mem.trim(), (128u64 << 20).to_string());
-        let pids = std::fs::read_to_string(std::path::Path::new("/sys/fs/cgroup/pids").join(&parent).join(&id).join("pids.max")).expect("pids");
+        let pids = std::fs::read_to_string(
+            std::path::Path::new("/sys/fs/cgroup/pids")
+                .join(&parent)
+                .join(&id)
+                .join("pids.max"),
+        )
+        .expect("pids");
         assert_eq!(pids.trim(), "64");
-        let quota = std::fs::read_to_string(std::path::Path::new("/sys/fs/cgroup/cpu").join(&parent).join(&id).join("cpu.cfs_quota_us")).expect("quota");
+        let quota = std::fs::read_to_string(
+            std::path::Path::new("/sys/fs/cgroup/cpu")
+                .join(&parent)
+                .join(&id)
+                .join("cpu.cfs_quota_us"),
+        )
+        .expect("quota");
         assert_eq!(quota.trim(), "50000");
         let _ = read;
     } else {
-        let base = std::path::Path::new("/sys/fs/cgroup").join(&parent).join(&id);
-        assert_eq!(std::fs::read_to_string(base.join("memory.max")).expect("mem").trim(), (128u64 << 20).to_string());
-        assert_eq!(std::fs::read_to_string(base.join("pids.max")).expect("pids").trim(), "64");
+        let base = std::path::Path::new("/sys/fs/cgroup")
+            .join(&parent)
+            .join(&id);
+        assert_eq!(
+            std::fs::read_to_string(base.join("memory.max"))
+                .expect("mem")
+                .trim(),
+            (128u64 << 20).to_string()
+        );
+        assert_eq!(
+            std::fs::read_to_string(base.join("pids.max"))
+                .expect("pids")
+                .trim(),
+            "64"
+        );
     }
 
     // List and filters.
@@ -73,7 +127,11 @@ fn run_lifecycle_isolation_and_cleanup() {
     assert_eq!((s, v["error"].as_str()), (400, Some("bad_request")));
 
     // TTL extension.
-    let (s, v) = d.call(Method::PATCH, &format!("/v1/runs/{id}"), Some(json!({"ttlSec": 7200})));
+    let (s, v) = d.call(
+        Method::PATCH,
+        &format!("/v1/runs/{id}"),
+        Some(json!({"ttlSec": 7200})),
+    );
     assert_eq!(s, 200, "{v}");
 
     // Leave a daemonized process behind, then delete: nothing may remain.
@@ -81,11 +139,17 @@ fn run_lifecycle_isolation_and_cleanup() {
     let (s, v) = d.call(Method::DELETE, &format!("/v1/runs/{id}"), None);
     assert_eq!((s, v["status"].as_str()), (200, Some("killed")), "{v}");
     assert_eq!(d.leftovers(&id), Vec::<String>::new());
-    let (s, v) = d.call(Method::POST, &format!("/v1/runs/{id}/exec"), Some(json!({"cmd": "true"})));
+    let (s, v) = d.call(
+        Method::POST,
+        &format!("/v1/runs/{id}/exec"),
+        Some(json!({"cmd": "true"})),
+    );
     assert_eq!(s, 409, "{v}");
     let (s, _) = d.call(Method::DELETE, &format!("/v1/runs/{id}?purge=true"), None);
     assert_eq!(s, 204);
-    wait_for("purged record", 5, || d.call(Method::GET, &format!("/v1/runs/{id}"), None).0 == 404);
+    wait_for("purged record", 5, || {
+        d.call(Method::GET, &format!("/v1/runs/{id}"), None).0 == 404
+    });
 }
 
 #[test]
@@ -97,7 +161,14 @@ fn exec_contract() {
     let id = d.create(json!({"env": {"FROM_CREATE": "c1", "BOTH": "create"}}));
     // Exit codes, stdout/stderr, stdin, env layering, argv form, cwd.
     let v = d.exec(&id, json!({"cmd": "echo out; echo err >&2; exit 7"}));
-    assert_eq!((v["stdout"].as_str(), v["stderr"].as_str(), v["exitCode"].as_i64()), (Some("out\n"), Some("err\n"), Some(7)));
+    assert_eq!(
+        (
+            v["stdout"].as_str(),
+            v["stderr"].as_str(),
+            v["exitCode"].as_i64()
+        ),
+        (Some("out\n"), Some("err\n"), Some(7))
+    );
     assert_eq!(v["timedOut"], false);
     let v = d.exec(&id, json!({"cmd": "cat", "stdin": "piped in"}));
     assert_eq!(v["stdout"], "piped in");
@@ -110,17 +181,29 @@ fn exec_contract() {
     let v = d.exec(&id, json!({"cmd": ["no-such-binary"]}));
     assert_eq!(v["exitCode"], 127);
     // Env values never reach the host's process list or the run's JSON.
-    let v = d.exec(&id, json!({"cmd": "sleep 1", "env": {"TOPSECRET": "zz-value-zz"}}));
+    let v = d.exec(
+        &id,
+        json!({"cmd": "sleep 1", "env": {"TOPSECRET": "zz-value-zz"}}),
+    );
     assert_eq!(v["exitCode"], 0);
     let (_, run) = d.call(Method::GET, &format!("/v1/runs/{id}"), None);
     assert!(!run.to_string().contains("c1"), "{run}");
     assert_eq!(run["env"], json!(["BOTH", "FROM_CREATE"]));
     // Binary output is base64, never mangled.
     let v = d.exec(&id, json!({"cmd": "printf '\\377\\000\\001'"}));
-    assert_eq!((v["stdout"].as_str(), v["stdoutEncoding"].as_str()), (Some("/wAB"), Some("base64")));
+    assert_eq!(
+        (v["stdout"].as_str(), v["stdoutEncoding"].as_str()),
+        (Some("/wAB"), Some("base64"))
+    );
     // The buffered form caps each stream at 1 MiB; SSE delivers it whole.
-    let v = d.exec(&id, json!({"cmd": "head -c 1500000 /dev/zero | tr '\\0' a"}));
-    assert_eq!((v["truncated"].as_bool(), v["stdout"].as_str().map(str::len)), (Some(true), Some(1 << 20)));
+    let v = d.exec(
+        &id,
+        json!({"cmd": "head -c 1500000 /dev/zero | tr '\\0' a"}),
+    );
+    assert_eq!(
+        (v["truncated"].as_bool(), v["stdout"].as_str().map(str::len)),
+        (Some(true), Some(1 << 20))
+    );
     let sse = d
         .req(Method::POST, &format!("/v1/runs/{id}/exec"))
         .json(&json!({"cmd": "head -c 1500000 /dev/zero | tr '\\0' a; echo; echo done >&2"}))
@@ -150,7 +233,10 @@ fn exec_contract() {
     assert_eq!(total, 1_500_001);
     // A background process holding the pipe does not hold the exec.
     let v = d.exec(&id, json!({"cmd": "sleep 30 & echo bg"}));
-    assert_eq!((v["stdout"].as_str(), v["exitCode"].as_i64()), (Some("bg\n"), Some(0)));
+    assert_eq!(
+        (v["stdout"].as_str(), v["exitCode"].as_i64()),
+        (Some("bg\n"), Some(0))
+    );
     assert!(v["durationMs"].as_u64().expect("ms") < 10_000);
     // Bad input: 400 naming the field.
     for (body, needle) in [
@@ -160,9 +246,16 @@ fn exec_contract() {
         (json!({"cmd": ""}), "cmd"),
         (json!({}), "cmd"),
     ] {
-        let (s, v) = d.call(Method::POST, &format!("/v1/runs/{id}/exec"), Some(body.clone()));
+        let (s, v) = d.call(
+            Method::POST,
+            &format!("/v1/runs/{id}/exec"),
+            Some(body.clone()),
+        );
         assert_eq!(s, 400, "{body} → {v}");
-        assert!(v["message"].as_str().expect("message").contains(needle), "{body} → {v}");
+        assert!(
+            v["message"].as_str().expect("message").contains(needle),
+            "{body} → {v}"
+        );
     }
 }
 
@@ -174,15 +267,24 @@ fn timeout_kills_everything_the_exec_started() {
     let d = Daemon::start(&[]);
     let id = d.create(json!({"limits": {"pids": 32}}));
     // Daemonized grandchildren, a setsid'd one among them.
-    let v = d.exec(&id, json!({"cmd": "setsid sleep 500 & (sleep 600 &); sleep 700", "timeoutSec": 1}));
-    assert_eq!((v["exitCode"].as_i64(), v["timedOut"].as_bool()), (Some(124), Some(true)));
+    let v = d.exec(
+        &id,
+        json!({"cmd": "setsid sleep 500 & (sleep 600 &); sleep 700", "timeoutSec": 1}),
+    );
+    assert_eq!(
+        (v["exitCode"].as_i64(), v["timedOut"].as_bool()),
+        (Some(124), Some(true))
+    );
     wait_for("sleepers gone", 10, || {
         let v = d.sh(&id, "ps -eo comm | grep -c sleep");
         v["stdout"] == "0\n"
     });
     // Exhaust the pids limit; the timeout still kills from outside.
     // bash keeps retrying a failed fork, so it is still running at the deadline.
-    let v = d.exec(&id, json!({"cmd": ["bash", "-c", "while :; do sleep 100 & done"], "timeoutSec": 2}));
+    let v = d.exec(
+        &id,
+        json!({"cmd": ["bash", "-c", "while :; do sleep 100 & done"], "timeoutSec": 2}),
+    );
     assert_eq!(v["exitCode"], 124, "{v}");
     wait_for("run usable again", 10, || {
         let v = d.exec(&id, json!({"cmd": ["true"]}));
@@ -192,7 +294,10 @@ fn timeout_kills_everything_the_exec_started() {
         d.sh(&id, "ps -eo comm | grep -c -e sleep -e bash")["stdout"] == "0\n"
     });
     // A command with no shell at all times out the same way.
-    let v = d.exec(&id, json!({"cmd": ["/usr/bin/sleep", "100"], "timeoutSec": 1}));
+    let v = d.exec(
+        &id,
+        json!({"cmd": ["/usr/bin/sleep", "100"], "timeoutSec": 1}),
+    );
     assert_eq!(v["exitCode"], 124);
 }
 
@@ -204,12 +309,25 @@ fn files_are_confined_to_work() {
     let d = Daemon::start(&[]);
     let id = d.create(json!({}));
     let put = |path: &str, body: &[u8]| {
-        d.req(Method::PUT, &format!("/v1/runs/{id}/files/{path}")).body(body.to_vec()).send().expect("put")
+        d.req(Method::PUT, &format!("/v1/runs/{id}/files/{path}"))
+            .body(body.to_vec())
+            .send()
+            .expect("put")
     };
-    let get = |path: &str| d.req(Method::GET, &format!("/v1/runs/{id}/files/{path}")).send().expect("get");
+    let get = |path: &str| {
+        d.req(Method::GET, &format!("/v1/runs/{id}/files/{path}"))
+            .send()
+            .expect("get")
+    };
     assert_eq!(put("dir/sub/hello.txt", b"hi there").status().as_u16(), 201);
-    assert_eq!(get("dir/sub/hello.txt").bytes().expect("bytes").as_ref(), b"hi there");
-    let v = d.sh(&id, "stat -c '%U:%G %a' dir dir/sub/hello.txt; cat dir/sub/hello.txt");
+    assert_eq!(
+        get("dir/sub/hello.txt").bytes().expect("bytes").as_ref(),
+        b"hi there"
+    );
+    let v = d.sh(
+        &id,
+        "stat -c '%U:%G %a' dir dir/sub/hello.txt; cat dir/sub/hello.txt",
+    );
     assert_eq!(v["stdout"], "sbx:sbx 755\nsbx:sbx 644\nhi there");
     let listing: serde_json::Value = get("dir/sub").json().expect("json");
     assert_eq!(listing["entries"][0]["name"], "hello.txt");
@@ -218,12 +336,26 @@ fn files_are_confined_to_work() {
     d.sh(&id, "ln -s /etc/passwd abs; ln -s ../../../../../../etc/passwd rel; mkfifo fifo; ln -s /etc escape");
     for p in ["abs", "rel", "fifo"] {
         let r = get(p);
-        assert_eq!(r.status().as_u16(), 400, "{p}: {}", r.text().unwrap_or_default());
+        assert_eq!(
+            r.status().as_u16(),
+            400,
+            "{p}: {}",
+            r.text().unwrap_or_default()
+        );
     }
     let host_before = std::fs::read("/etc/hostname").unwrap_or_default();
     assert_eq!(put("escape/hostname", b"pwned").status().as_u16(), 400);
-    assert_eq!(std::fs::read("/etc/hostname").unwrap_or_default(), host_before);
-    let r = d.req(Method::GET, &format!("/v1/runs/{id}/files/a/%2e%2e/%2e%2e/etc/passwd")).send().expect("get");
+    assert_eq!(
+        std::fs::read("/etc/hostname").unwrap_or_default(),
+        host_before
+    );
+    let r = d
+        .req(
+            Method::GET,
+            &format!("/v1/runs/{id}/files/a/%2e%2e/%2e%2e/etc/passwd"),
+        )
+        .send()
+        .expect("get");
     assert!(matches!(r.status().as_u16(), 400 | 404), "{}", r.status());
     assert_eq!(get("missing").status().as_u16(), 404);
     // The size cap is a 413.
@@ -237,20 +369,47 @@ fn auth_and_errors() {
         return;
     }
     let d = Daemon::start(&[]);
-    let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(d.state.join("token")).expect("token").permissions());
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(d.state.join("token"))
+            .expect("token")
+            .permissions(),
+    );
     assert_eq!(mode & 0o777, 0o600);
     let r = d.http.get(d.url("/health")).send().expect("health");
     let v: serde_json::Value = r.json().expect("json");
-    assert_eq!((v["status"].as_str(), v["server"].as_str()), (Some("ok"), Some("e2e")));
+    assert_eq!(
+        (v["status"].as_str(), v["server"].as_str()),
+        (Some("ok"), Some("e2e"))
+    );
     let r = d.http.get(d.url("/v1/runs")).send().expect("runs");
     assert_eq!(r.status().as_u16(), 401);
-    let r = d.http.get(d.url("/v1/runs")).bearer_auth("wrong").send().expect("runs");
+    let r = d
+        .http
+        .get(d.url("/v1/runs"))
+        .bearer_auth("wrong")
+        .send()
+        .expect("runs");
     assert_eq!(r.status().as_u16(), 401);
     let (s, v) = d.call(Method::POST, "/v1/runs", Some(json!({"imagee": "x"})));
     assert_eq!(s, 400);
-    assert!(v["message"].as_str().expect("msg").contains("imagee"), "{v}");
-    let (s, v) = d.call(Method::POST, "/v1/runs", Some(json!({"limits": {"memoryMb": 1}})));
-    assert_eq!((s, v["message"].as_str().map(|m| m.starts_with("limits.memoryMb"))), (400, Some(true)));
+    assert!(
+        v["message"].as_str().expect("msg").contains("imagee"),
+        "{v}"
+    );
+    let (s, v) = d.call(
+        Method::POST,
+        "/v1/runs",
+        Some(json!({"limits": {"memoryMb": 1}})),
+    );
+    assert_eq!(
+        (
+            s,
+            v["message"]
+                .as_str()
+                .map(|m| m.starts_with("limits.memoryMb"))
+        ),
+        (400, Some(true))
+    );
     let (s, _) = d.call(Method::GET, "/v1/runs/01ARZ3NDEKTSV4RRFFQ69G5FAV", None);
     assert_eq!(s, 404);
     let (s, v) = d.call(Method::GET, "/v1/templates", None);
@@ -283,7 +442,10 @@ fn runs_survive_kill_9_and_still_expire() {
     // The env is not stored in the clear.
     for f in ["sbx.db", "sbx.db-wal"] {
         let bytes = std::fs::read(d.state.join(f)).unwrap_or_default();
-        assert!(!bytes.windows(19).any(|w| w == b"kept-across-restart"), "{f} holds the env in the clear");
+        assert!(
+            !bytes.windows(19).any(|w| w == b"kept-across-restart"),
+            "{f} holds the env in the clear"
+        );
     }
     // SIGTERM leaves runs for the next start.
     d.sigterm();
@@ -298,13 +460,18 @@ fn restart_removes_orphans_and_marks_vanished_runs() {
     }
     let mut d = Daemon::start(&[]);
     let vanished = d.create(json!({}));
-    let state: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(d.state.join("runs").join(&vanished).join("shim.json")).expect("shim.json")).expect("json");
+    let state: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(d.state.join("runs").join(&vanished).join("shim.json")).expect("shim.json"),
+    )
+    .expect("json");
     d.kill9();
     // The sandbox dies while the daemon is down.
     for k in ["init_pid", "shim_pid"] {
         let pid = state[k].as_i64().expect("pid") as i32;
-        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
     }
     // And an orphan appears: a run directory and cgroup nobody owns.
     let orphan = "01ARZ3NDEKTSV4RRFFQ69G5FAV";
@@ -318,7 +485,9 @@ fn restart_removes_orphans_and_marks_vanished_runs() {
     let (_, v) = d.call(Method::GET, &format!("/v1/runs/{vanished}"), None);
     assert_eq!(v["status"], "error", "{v}");
     assert_eq!(d.leftovers(orphan), Vec::<String>::new());
-    wait_for("vanished run cleaned", 10, || d.leftovers(&vanished).is_empty());
+    wait_for("vanished run cleaned", 10, || {
+        d.leftovers(&vanished).is_empty()
+    });
     let _ = Duration::from_secs(0);
 }
 

@@ -27,8 +27,15 @@ const TOP_LINKS: &[&str] = &["bin", "sbin", "lib", "lib32", "lib64", "libx32"];
 /// Lays out the `host` image's root in `rootfs` (an empty directory) and
 /// returns the read-only binds the runtime must add. `host_root` is `/` in
 /// production and a fixture in tests.
-pub fn prepare(rootfs: &Path, host_root: &Path, id: &str, user: RunUser) -> io::Result<Vec<HostBind>> {
-    for d in ["usr", "etc", "tmp", "proc", "dev", "sys", "root", "run", "var", "var/tmp", ".sbx"] {
+pub fn prepare(
+    rootfs: &Path,
+    host_root: &Path,
+    id: &str,
+    user: RunUser,
+) -> io::Result<Vec<HostBind>> {
+    for d in [
+        "usr", "etc", "tmp", "proc", "dev", "sys", "root", "run", "var", "var/tmp", ".sbx",
+    ] {
         fs::create_dir_all(rootfs.join(d))?;
     }
     fs::set_permissions(rootfs.join("tmp"), fs::Permissions::from_mode(0o1777))?;
@@ -41,7 +48,9 @@ pub fn prepare(rootfs: &Path, host_root: &Path, id: &str, user: RunUser) -> io::
     for name in TOP_LINKS {
         let host = host_root.join(name);
         match fs::symlink_metadata(&host) {
-            Ok(m) if m.file_type().is_symlink() => symlink(fs::read_link(&host)?, rootfs.join(name))?,
+            Ok(m) if m.file_type().is_symlink() => {
+                symlink(fs::read_link(&host)?, rootfs.join(name))?
+            }
             Ok(m) if m.is_dir() => {
                 fs::create_dir_all(rootfs.join(name))?;
                 binds.push(HostBind {
@@ -60,9 +69,15 @@ pub fn prepare(rootfs: &Path, host_root: &Path, id: &str, user: RunUser) -> io::
 pub fn write_etc(etc: &Path, id: &str, user: RunUser) -> io::Result<()> {
     fs::write(etc.join("passwd"), passwd(user))?;
     fs::write(etc.join("group"), group(user))?;
-    fs::write(etc.join("hosts"), format!("127.0.0.1\tlocalhost {id}\n::1\tlocalhost ip6-localhost\n"))?;
+    fs::write(
+        etc.join("hosts"),
+        format!("127.0.0.1\tlocalhost {id}\n::1\tlocalhost ip6-localhost\n"),
+    )?;
     fs::write(etc.join("resolv.conf"), "# no DNS on this network\n")?;
-    fs::write(etc.join("nsswitch.conf"), "passwd: files\ngroup: files\nhosts: files dns\n")?;
+    fs::write(
+        etc.join("nsswitch.conf"),
+        "passwd: files\ngroup: files\nhosts: files dns\n",
+    )?;
     Ok(())
 }
 
@@ -95,20 +110,41 @@ mod tests {
         symlink("usr/bin", host.path().join("bin")).expect("bin link");
         fs::create_dir(host.path().join("lib64")).expect("lib64 dir");
         let root = tempfile::tempdir().expect("root");
-        let binds = prepare(root.path(), host.path(), "01JX", RunUser { uid: 1000, gid: 1000 }).expect("prepare");
+        let binds = prepare(
+            root.path(),
+            host.path(),
+            "01JX",
+            RunUser {
+                uid: 1000,
+                gid: 1000,
+            },
+        )
+        .expect("prepare");
         assert_eq!(
             binds,
             vec![
-                HostBind { source: host.path().join("usr"), destination: "/usr".into() },
-                HostBind { source: host.path().join("lib64"), destination: "/lib64".into() },
+                HostBind {
+                    source: host.path().join("usr"),
+                    destination: "/usr".into()
+                },
+                HostBind {
+                    source: host.path().join("lib64"),
+                    destination: "/lib64".into()
+                },
             ]
         );
-        assert_eq!(fs::read_link(root.path().join("bin")).expect("link"), PathBuf::from("usr/bin"));
+        assert_eq!(
+            fs::read_link(root.path().join("bin")).expect("link"),
+            PathBuf::from("usr/bin")
+        );
         let passwd = fs::read_to_string(root.path().join("etc/passwd")).expect("passwd");
         assert!(passwd.contains("sbx:x:1000:1000:sbx:/work:/bin/sh"));
         let hosts = fs::read_to_string(root.path().join("etc/hosts")).expect("hosts");
         assert!(hosts.contains("localhost 01JX"));
-        let etc: Vec<_> = fs::read_dir(root.path().join("etc")).expect("etc").flatten().collect();
+        let etc: Vec<_> = fs::read_dir(root.path().join("etc"))
+            .expect("etc")
+            .flatten()
+            .collect();
         assert_eq!(etc.len(), 5, "nothing of the host's /etc");
     }
 

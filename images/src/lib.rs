@@ -3,3 +3,5 @@
 
 pub mod host;
 pub mod overlay;
+pub mod store;
+pub mod unpack;

@@ -30,14 +30,24 @@ pub enum OverlayError {
 }
 
 /// Mounts `lowers` (topmost first) + `upper`/`work` on `target`.
-pub fn mount(lowers: &[PathBuf], upper: &Path, work: &Path, target: &Path) -> Result<(), OverlayError> {
+pub fn mount(
+    lowers: &[PathBuf],
+    upper: &Path,
+    work: &Path,
+    target: &Path,
+) -> Result<(), OverlayError> {
     if lowers.is_empty() {
         return Err(OverlayError::NoLayers);
     }
-    let err = |source: io::Error| OverlayError::Mount { target: target.to_path_buf(), source };
+    let err = |source: io::Error| OverlayError::Mount {
+        target: target.to_path_buf(),
+        source,
+    };
     match mount_new_api(lowers, upper, work, target) {
         Ok(()) => Ok(()),
-        Err(e) if e.raw_os_error() == Some(libc::ENOSYS) || e.raw_os_error() == Some(libc::EINVAL) => {
+        Err(e)
+            if e.raw_os_error() == Some(libc::ENOSYS) || e.raw_os_error() == Some(libc::EINVAL) =>
+        {
             mount_legacy(lowers, upper, work, target).map_err(err)
         }
         Err(e) => Err(err(e)),
@@ -54,7 +64,11 @@ fn mount_new_api(lowers: &[PathBuf], upper: &Path, work: &Path, target: &Path) -
     // Not every kernel knows these; they only tighten behaviour.
     let _ = fsconfig_set_string(&fs, "index", "off");
     fsconfig_create(&fs)?;
-    let mnt = fsmount(&fs, FsMountFlags::FSMOUNT_CLOEXEC, MountAttrFlags::MOUNT_ATTR_NODEV)?;
+    let mnt = fsmount(
+        &fs,
+        FsMountFlags::FSMOUNT_CLOEXEC,
+        MountAttrFlags::MOUNT_ATTR_NODEV,
+    )?;
     move_mount(
         &mnt,
         "",
@@ -108,7 +122,10 @@ pub fn mounts_under(mountinfo: &str, dir: &Path) -> Vec<PathBuf> {
 }
 
 fn unescape(s: &str) -> String {
-    s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+    s.replace("\\040", " ")
+        .replace("\\011", "\t")
+        .replace("\\012", "\n")
+        .replace("\\134", "\\")
 }
 
 #[cfg(test)]
@@ -126,13 +143,19 @@ mod tests {
         let got = mounts_under(mi, Path::new("/var/lib/sbx/runs/A"));
         assert_eq!(
             got,
-            vec![PathBuf::from("/var/lib/sbx/runs/A/rootfs"), PathBuf::from("/var/lib/sbx/runs/A/x y")]
+            vec![
+                PathBuf::from("/var/lib/sbx/runs/A/rootfs"),
+                PathBuf::from("/var/lib/sbx/runs/A/x y")
+            ]
         );
     }
 
     #[test]
     fn refuses_an_empty_layer_list() {
         let t = tempfile::tempdir().expect("tmp");
-        assert!(matches!(mount(&[], t.path(), t.path(), t.path()), Err(OverlayError::NoLayers)));
+        assert!(matches!(
+            mount(&[], t.path(), t.path(), t.path()),
+            Err(OverlayError::NoLayers)
+        ));
     }
 }

@@ -33,8 +33,10 @@ pub enum NetnsError {
 /// thread's namespace for the duration, so call it only from a
 /// single-threaded process (the shim).
 pub fn loopback_up_in(pid: i32) -> Result<(), NetnsError> {
-    let own = File::open("/proc/thread-self/ns/net").map_err(|source| NetnsError::Open { pid: 0, source })?;
-    let target = File::open(format!("/proc/{pid}/ns/net")).map_err(|source| NetnsError::Open { pid, source })?;
+    let own = File::open("/proc/thread-self/ns/net")
+        .map_err(|source| NetnsError::Open { pid: 0, source })?;
+    let target = File::open(format!("/proc/{pid}/ns/net"))
+        .map_err(|source| NetnsError::Open { pid, source })?;
     setns(&target, CloneFlags::CLONE_NEWNET).map_err(|source| NetnsError::Enter { pid, source })?;
     let result = set_up("lo");
     setns(&own, CloneFlags::CLONE_NEWNET).map_err(NetnsError::Return)?;
@@ -42,8 +44,8 @@ pub fn loopback_up_in(pid: i32) -> Result<(), NetnsError> {
 }
 
 fn set_up(name: &str) -> std::io::Result<()> {
-    let sock = std::net::UdpSocket::bind("0.0.0.0:0")
-        .or_else(|_| std::net::UdpSocket::bind("[::]:0"))?;
+    let sock =
+        std::net::UdpSocket::bind("0.0.0.0:0").or_else(|_| std::net::UdpSocket::bind("[::]:0"))?;
     // SAFETY: ifreq is plain old data; zeroed is a valid value.
     let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
     for (i, b) in name.bytes().enumerate().take(libc::IFNAMSIZ - 1) {

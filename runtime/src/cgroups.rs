@@ -60,8 +60,20 @@ pub struct Hierarchy {
 }
 
 const V1_CONTROLLERS: &[&str] = &[
-    "cpu", "cpuacct", "cpuset", "memory", "devices", "freezer", "net_cls", "net_prio", "blkio",
-    "perf_event", "hugetlb", "pids", "rdma", "misc",
+    "cpu",
+    "cpuacct",
+    "cpuset",
+    "memory",
+    "devices",
+    "freezer",
+    "net_cls",
+    "net_prio",
+    "blkio",
+    "perf_event",
+    "hugetlb",
+    "pids",
+    "rdma",
+    "misc",
 ];
 
 impl Layout {
@@ -109,7 +121,8 @@ impl Layout {
     /// Reads the running host's layout.
     pub fn detect() -> Result<Layout, CgroupError> {
         let path = PathBuf::from("/proc/self/mountinfo");
-        let text = fs::read_to_string(&path).map_err(|source| CgroupError::Read { path, source })?;
+        let text =
+            fs::read_to_string(&path).map_err(|source| CgroupError::Read { path, source })?;
         Layout::from_mountinfo(&text)
     }
 
@@ -166,7 +179,12 @@ pub fn create(layout: &Layout, rel: &str) -> Result<Vec<PathBuf>, CgroupError> {
         match fs::create_dir(d) {
             Ok(()) => inherit_cpuset(d)?,
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-            Err(source) => return Err(CgroupError::Create { path: d.clone(), source }),
+            Err(source) => {
+                return Err(CgroupError::Create {
+                    path: d.clone(),
+                    source,
+                })
+            }
         }
     }
     Ok(dirs)
@@ -186,7 +204,10 @@ fn inherit_cpuset(dir: &Path) -> Result<(), CgroupError> {
         }
         let Some(parent) = dir.parent() else { continue };
         let ppath = parent.join(file);
-        let value = fs::read_to_string(&ppath).map_err(|source| CgroupError::Read { path: ppath, source })?;
+        let value = fs::read_to_string(&ppath).map_err(|source| CgroupError::Read {
+            path: ppath,
+            source,
+        })?;
         fs::write(&path, value.trim()).map_err(|source| CgroupError::Write { path, source })?;
     }
     Ok(())
@@ -224,7 +245,10 @@ fn set_frozen(layout: &Layout, dir: &Path, frozen: bool) -> Result<(), CgroupErr
         ("freezer.state", if frozen { "FROZEN" } else { "THAWED" })
     };
     let path = dir.join(file);
-    fs::write(&path, value).map_err(|source| CgroupError::Write { path: path.clone(), source })?;
+    fs::write(&path, value).map_err(|source| CgroupError::Write {
+        path: path.clone(),
+        source,
+    })?;
     if !frozen || layout.is_v2() {
         return Ok(());
     }
@@ -237,7 +261,10 @@ fn set_frozen(layout: &Layout, dir: &Path, frozen: bool) -> Result<(), CgroupErr
         if Instant::now() > deadline {
             return Err(CgroupError::FreezeTimeout { path });
         }
-        fs::write(&path, value).map_err(|source| CgroupError::Write { path: path.clone(), source })?;
+        fs::write(&path, value).map_err(|source| CgroupError::Write {
+            path: path.clone(),
+            source,
+        })?;
         sleep(Duration::from_millis(1));
     }
 }
@@ -255,8 +282,10 @@ pub fn kill_tree(layout: &Layout, rel: &str) -> Result<usize, CgroupError> {
         let kill_file = dirs[0].join("cgroup.kill");
         if kill_file.exists() {
             let n = pids_in_tree(&dirs[0]).len();
-            fs::write(&kill_file, "1")
-                .map_err(|source| CgroupError::Write { path: kill_file, source })?;
+            fs::write(&kill_file, "1").map_err(|source| CgroupError::Write {
+                path: kill_file,
+                source,
+            })?;
             return Ok(n);
         }
     }
@@ -310,7 +339,12 @@ fn remove_depth_first(dir: &Path) -> Result<(), CgroupError> {
     let rd = match fs::read_dir(dir) {
         Ok(rd) => rd,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(source) => return Err(CgroupError::Read { path: dir.to_path_buf(), source }),
+        Err(source) => {
+            return Err(CgroupError::Read {
+                path: dir.to_path_buf(),
+                source,
+            })
+        }
     };
     for e in rd.flatten() {
         if e.file_type().is_ok_and(|t| t.is_dir()) {
@@ -320,7 +354,10 @@ fn remove_depth_first(dir: &Path) -> Result<(), CgroupError> {
     match fs::remove_dir(dir) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        Err(source) => Err(CgroupError::Remove { path: dir.to_path_buf(), source }),
+        Err(source) => Err(CgroupError::Remove {
+            path: dir.to_path_buf(),
+            source,
+        }),
     }
 }
 
@@ -388,8 +425,16 @@ mod tests {
     #[test]
     fn pure_v2_hosts_use_the_unified_tree() {
         let l = Layout::from_mountinfo(PURE_V2).expect("layout");
-        assert_eq!(l, Layout::V2 { root: "/sys/fs/cgroup".into() });
-        assert_eq!(l.dirs("/sbx-1/run"), vec![PathBuf::from("/sys/fs/cgroup/sbx-1/run")]);
+        assert_eq!(
+            l,
+            Layout::V2 {
+                root: "/sys/fs/cgroup".into()
+            }
+        );
+        assert_eq!(
+            l.dirs("/sbx-1/run"),
+            vec![PathBuf::from("/sys/fs/cgroup/sbx-1/run")]
+        );
     }
 
     #[test]
@@ -403,7 +448,9 @@ mod tests {
     #[test]
     fn v2_fixture_create_lists_and_removes_depth_first() {
         let tmp = tempfile::tempdir().expect("tmp");
-        let l = Layout::V2 { root: tmp.path().to_path_buf() };
+        let l = Layout::V2 {
+            root: tmp.path().to_path_buf(),
+        };
         let dirs = create(&l, "/sbx-1").expect("parent");
         assert_eq!(dirs, vec![tmp.path().join("sbx-1")]);
         create(&l, "/sbx-1/runA").expect("run");
@@ -421,23 +468,37 @@ mod tests {
     #[test]
     fn v2_fixture_kill_uses_cgroup_kill() {
         let tmp = tempfile::tempdir().expect("tmp");
-        let l = Layout::V2 { root: tmp.path().to_path_buf() };
+        let l = Layout::V2 {
+            root: tmp.path().to_path_buf(),
+        };
         create(&l, "/r").expect("create");
         // pids that cannot exist (above pid_max) so no real process is hit.
-        fs::write(tmp.path().join("r/cgroup.procs"), "2147483000\n2147483001\n").expect("procs");
+        fs::write(
+            tmp.path().join("r/cgroup.procs"),
+            "2147483000\n2147483001\n",
+        )
+        .expect("procs");
         fs::write(tmp.path().join("r/cgroup.kill"), "").expect("kill file");
         assert_eq!(kill_tree(&l, "/r").expect("kill"), 2);
-        assert_eq!(fs::read_to_string(tmp.path().join("r/cgroup.kill")).expect("read"), "1");
+        assert_eq!(
+            fs::read_to_string(tmp.path().join("r/cgroup.kill")).expect("read"),
+            "1"
+        );
     }
 
     #[test]
     fn v2_fixture_without_cgroup_kill_freezes_and_thaws() {
         let tmp = tempfile::tempdir().expect("tmp");
-        let l = Layout::V2 { root: tmp.path().to_path_buf() };
+        let l = Layout::V2 {
+            root: tmp.path().to_path_buf(),
+        };
         create(&l, "/r").expect("create");
         fs::write(tmp.path().join("r/cgroup.procs"), "2147483000\n").expect("procs");
         assert_eq!(kill_tree(&l, "/r").expect("kill"), 1);
-        assert_eq!(fs::read_to_string(tmp.path().join("r/cgroup.freeze")).expect("read"), "0");
+        assert_eq!(
+            fs::read_to_string(tmp.path().join("r/cgroup.freeze")).expect("read"),
+            "0"
+        );
     }
 
     #[test]
@@ -450,8 +511,14 @@ mod tests {
         fs::write(child.join("cpuset.cpus"), "\n").expect("cpus");
         fs::write(child.join("cpuset.mems"), "").expect("mems");
         inherit_cpuset(&child).expect("inherit");
-        assert_eq!(fs::read_to_string(child.join("cpuset.cpus")).expect("read"), "0-1");
-        assert_eq!(fs::read_to_string(child.join("cpuset.mems")).expect("read"), "0");
+        assert_eq!(
+            fs::read_to_string(child.join("cpuset.cpus")).expect("read"),
+            "0-1"
+        );
+        assert_eq!(
+            fs::read_to_string(child.join("cpuset.mems")).expect("read"),
+            "0"
+        );
     }
 
     #[test]

@@ -184,7 +184,8 @@ fn child(req: &ExecRequest) -> i32 {
         }
     }
     let nofile = crate::spec::nofile_limit();
-    let _ = nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, nofile, nofile);
+    let _ =
+        nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, nofile, nofile);
     if let Err(e) = nix::unistd::chdir(req.cwd.as_str()) {
         return fail(EXIT_NOT_FOUND, &format!("cwd {}: {e}", req.cwd));
     }

@@ -1,26 +1,50 @@
-//! PID 1 inside every run: reaps orphans, exits on SIGTERM/SIGINT/SIGHUP.
-//! It is the only place in sbx that waits on any child (`waitpid(-1)`),
-//! because reaping re-parented orphans is exactly what a PID 1 is for.
+//! The run's PID 1: a tiny static executable (see `init/init.c`) embedded in
+//! the sbx binary and installed read-only under the state dir, so it runs in
+//! any image (busybox-static has no libc to load a dynamic binary with) and
+//! an idle run costs almost no memory.
 
-use nix::sys::signal::{SigSet, SigmaskHow, Signal};
-use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
-use nix::unistd::Pid;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
 
-pub fn init_main() -> ! {
-    let all = SigSet::all();
-    let _ = nix::sys::signal::sigprocmask(SigmaskHow::SIG_BLOCK, Some(&all), None);
-    loop {
-        match all.wait() {
-            Ok(Signal::SIGCHLD) => loop {
-                match waitpid(Pid::from_raw(-1), Some(WaitPidFlag::WNOHANG)) {
-                    Ok(WaitStatus::StillAlive) | Err(_) => break,
-                    Ok(_) => continue,
-                }
-            },
-            Ok(Signal::SIGTERM | Signal::SIGINT | Signal::SIGHUP | Signal::SIGQUIT) => {
-                std::process::exit(0)
-            }
-            _ => {}
+pub const INIT_BINARY: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sbx-init"));
+
+/// Writes the init to `<dir>/sbx-init` (0555, atomically) unless it is
+/// already there with the same bytes; returns its path.
+pub fn install(dir: &Path) -> std::io::Result<PathBuf> {
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join("sbx-init");
+    if std::fs::read(&path).is_ok_and(|b| b == INIT_BINARY) {
+        return Ok(path);
+    }
+    let tmp = dir.join("sbx-init.tmp");
+    std::fs::write(&tmp, INIT_BINARY)?;
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o555))?;
+    std::fs::rename(&tmp, &path)?;
+    Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_embedded_init_is_a_static_elf() {
+        assert_eq!(&INIT_BINARY[..4], b"\x7fELF");
+        // No PT_INTERP program header: it needs no dynamic loader in the image.
+        let b = INIT_BINARY;
+        let u16_at = |o: usize| u16::from_le_bytes([b[o], b[o + 1]]) as usize;
+        let phoff = u64::from_le_bytes(b[0x20..0x28].try_into().expect("phoff")) as usize;
+        let (phentsize, phnum) = (u16_at(0x36), u16_at(0x38));
+        assert!(phnum > 0);
+        for i in 0..phnum {
+            let o = phoff + i * phentsize;
+            let p_type = u32::from_le_bytes(b[o..o + 4].try_into().expect("p_type"));
+            assert_ne!(p_type, 3, "init must be static (has PT_INTERP)");
         }
+        let d = tempfile::tempdir().expect("tmp");
+        let p = install(d.path()).expect("install");
+        let mode = std::fs::metadata(&p).expect("meta").permissions().mode() & 0o777;
+        assert_eq!(mode, 0o555);
+        assert_eq!(install(d.path()).expect("again"), p);
     }
 }

@@ -83,7 +83,9 @@ pub fn alive(pid: i32, start: u64) -> bool {
     let Ok(text) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
         return false;
     };
-    let state = text.rfind(')').and_then(|i| text[i + 1..].split_whitespace().next());
+    let state = text
+        .rfind(')')
+        .and_then(|i| text[i + 1..].split_whitespace().next());
     !matches!(state, Some("Z") | Some("X")) && parse_start_time(&text) == Some(start)
 }
 
@@ -113,7 +115,8 @@ mod tests {
 
     #[test]
     fn start_time_survives_odd_command_names() {
-        let stat = "42 (a) b (c)) S 1 42 42 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1000 100";
+        let stat =
+            "42 (a) b (c)) S 1 42 42 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 987654 1000 100";
         assert_eq!(parse_start_time(stat), Some(987654));
     }
 

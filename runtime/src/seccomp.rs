@@ -111,7 +111,9 @@ pub fn render_oci() -> Value {
 /// Loads the profile into the calling thread (the exec helper's child, right
 /// before `execve`). Sets `no_new_privs` as a side effect.
 pub fn load() -> Result<(), libseccomp::error::SeccompError> {
-    use libseccomp::{ScmpAction, ScmpArch, ScmpArgCompare, ScmpCompareOp, ScmpFilterContext, ScmpSyscall};
+    use libseccomp::{
+        ScmpAction, ScmpArch, ScmpArgCompare, ScmpCompareOp, ScmpFilterContext, ScmpSyscall,
+    };
     let mut ctx = ScmpFilterContext::new(ScmpAction::Allow)?;
     for arch in [ScmpArch::X86, ScmpArch::X32] {
         ctx.add_arch(arch)?;
@@ -131,7 +133,11 @@ pub fn load() -> Result<(), libseccomp::error::SeccompError> {
         ctx.add_rule_conditional(
             ScmpAction::Errno(EPERM as i32),
             clone,
-            &[ScmpArgCompare::new(0, ScmpCompareOp::MaskedEqual(*flag), *flag)],
+            &[ScmpArgCompare::new(
+                0,
+                ScmpCompareOp::MaskedEqual(*flag),
+                *flag,
+            )],
         )?;
     }
     ctx.load()

@@ -50,7 +50,7 @@ pub struct BindMount {
 pub struct RunSpec {
     pub id: String,
     pub rootfs: PathBuf,
-    /// Host path of the sbx binary, bind-mounted read-only as the run's init.
+    /// Host path of the static init, bind-mounted read-only as PID 1.
     pub init_binary: PathBuf,
     pub uid: u32,
     pub gid: u32,
@@ -144,8 +144,10 @@ fn mounts(spec: &RunSpec) -> Vec<Value> {
                "options": ["bind", "ro", "nosuid", "nodev"]}),
     ];
     for b in &spec.ro_binds {
-        m.push(json!({"destination": b.destination, "type": "bind", "source": b.source,
-                      "options": ["rbind", "ro", "nosuid", "nodev"]}));
+        m.push(
+            json!({"destination": b.destination, "type": "bind", "source": b.source,
+                      "options": ["rbind", "ro", "nosuid", "nodev"]}),
+        );
     }
     m
 }
@@ -170,7 +172,7 @@ pub fn render(spec: &RunSpec) -> Value {
         "process": {
             "terminal": false,
             "user": {"uid": spec.uid, "gid": spec.gid, "additionalGids": [spec.gid]},
-            "args": [INIT_PATH, "init"],
+            "args": [INIT_PATH],
             "env": env,
             "cwd": "/",
             "capabilities": {"bounding": [], "effective": [], "inheritable": [],
@@ -243,8 +245,14 @@ mod tests {
         let linux = parsed.linux().as_ref().expect("linux section");
         let res = linux.resources().as_ref().expect("resources");
         assert_eq!(res.cpu().as_ref().and_then(|c| c.quota()), Some(150_000));
-        assert_eq!(res.memory().as_ref().and_then(|m| m.limit()), Some(512 << 20));
-        assert_eq!(res.memory().as_ref().and_then(|m| m.swap()), Some(512 << 20));
+        assert_eq!(
+            res.memory().as_ref().and_then(|m| m.limit()),
+            Some(512 << 20)
+        );
+        assert_eq!(
+            res.memory().as_ref().and_then(|m| m.swap()),
+            Some(512 << 20)
+        );
         assert_eq!(res.pids().as_ref().map(|p| p.limit()), Some(64));
         assert_eq!(parsed.hostname().as_deref(), Some("01JTEST"));
         let nss: Vec<String> = linux
@@ -261,7 +269,13 @@ mod tests {
     #[test]
     fn drops_every_capability_and_sets_no_new_privileges() {
         let v = render(&sample());
-        for set in ["bounding", "effective", "inheritable", "permitted", "ambient"] {
+        for set in [
+            "bounding",
+            "effective",
+            "inheritable",
+            "permitted",
+            "ambient",
+        ] {
             assert_eq!(v["process"]["capabilities"][set], json!([]), "{set}");
         }
         assert_eq!(v["process"]["noNewPrivileges"], json!(true));
@@ -271,21 +285,30 @@ mod tests {
     #[test]
     fn device_cgroup_starts_with_deny_all() {
         let v = render(&sample());
-        let devs = v["linux"]["resources"]["devices"].as_array().expect("devices");
+        let devs = v["linux"]["resources"]["devices"]
+            .as_array()
+            .expect("devices");
         assert_eq!(devs[0], json!({"allow": false, "access": "rwm"}));
-        assert!(devs[1..].iter().all(|d| d["allow"] == json!(true) && d["type"] == "c"));
+        assert!(devs[1..]
+            .iter()
+            .all(|d| d["allow"] == json!(true) && d["type"] == "c"));
     }
 
     #[test]
     fn never_mounts_the_cgroup_filesystem() {
         let v = render(&sample());
         let mounts = v["mounts"].as_array().expect("mounts");
-        assert!(mounts.iter().all(|m| m["type"] != "cgroup" && m["type"] != "cgroup2"));
+        assert!(mounts
+            .iter()
+            .all(|m| m["type"] != "cgroup" && m["type"] != "cgroup2"));
         let init = mounts
             .iter()
             .find(|m| m["destination"] == INIT_PATH)
             .expect("init mount");
-        assert!(init["options"].as_array().expect("opts").contains(&json!("ro")));
+        assert!(init["options"]
+            .as_array()
+            .expect("opts")
+            .contains(&json!("ro")));
     }
 
     #[test]
@@ -294,7 +317,10 @@ mod tests {
         s.swap_accounting = false;
         let v = render(&s);
         assert!(v["linux"]["resources"]["memory"].get("swap").is_none());
-        assert_eq!(v["process"]["env"][1], json!(format!("PATH={DEFAULT_PATH}")));
+        assert_eq!(
+            v["process"]["env"][1],
+            json!(format!("PATH={DEFAULT_PATH}"))
+        );
     }
 
     #[test]

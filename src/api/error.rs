@@ -11,10 +11,16 @@ use crate::runs::RunError;
 
 #[derive(Debug)]
 pub enum ApiError {
-    BadRequest { field: String, message: String },
+    BadRequest {
+        field: String,
+        message: String,
+    },
     Unauthorized,
     NotFound(String),
-    Conflict { error: &'static str, message: String },
+    Conflict {
+        error: &'static str,
+        message: String,
+    },
     TooLarge(String),
     Unprocessable(String),
     ShuttingDown,
@@ -23,13 +29,19 @@ pub enum ApiError {
 
 impl ApiError {
     pub fn bad(field: &str, message: impl Into<String>) -> ApiError {
-        ApiError::BadRequest { field: field.into(), message: message.into() }
+        ApiError::BadRequest {
+            field: field.into(),
+            message: message.into(),
+        }
     }
 }
 
 impl From<FieldError> for ApiError {
     fn from(e: FieldError) -> Self {
-        ApiError::BadRequest { field: e.field, message: e.message }
+        ApiError::BadRequest {
+            field: e.field,
+            message: e.message,
+        }
     }
 }
 
@@ -37,7 +49,10 @@ impl From<RunError> for ApiError {
     fn from(e: RunError) -> Self {
         match e {
             RunError::NotFound(_) => ApiError::NotFound(e.to_string()),
-            RunError::NotRunning { .. } => ApiError::Conflict { error: "not_running", message: e.to_string() },
+            RunError::NotRunning { .. } => ApiError::Conflict {
+                error: "not_running",
+                message: e.to_string(),
+            },
             RunError::Unprocessable(m) => ApiError::Unprocessable(m),
             RunError::ShuttingDown => ApiError::ShuttingDown,
             RunError::Internal(m) => ApiError::Internal(m),
@@ -60,21 +75,39 @@ impl From<FileError> for ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let (status, error, message) = match self {
-            ApiError::BadRequest { field, message } => {
-                (StatusCode::BAD_REQUEST, "bad_request", format!("{field}: {message}"))
-            }
-            ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong bearer token".into()),
+            ApiError::BadRequest { field, message } => (
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                format!("{field}: {message}"),
+            ),
+            ApiError::Unauthorized => (
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "missing or wrong bearer token".into(),
+            ),
             ApiError::NotFound(m) => (StatusCode::NOT_FOUND, "not_found", m),
             ApiError::Conflict { error, message } => (StatusCode::CONFLICT, error, message),
             ApiError::TooLarge(m) => (StatusCode::PAYLOAD_TOO_LARGE, "too_large", m),
             ApiError::Unprocessable(m) => (StatusCode::UNPROCESSABLE_ENTITY, "unprocessable", m),
-            ApiError::ShuttingDown => (StatusCode::SERVICE_UNAVAILABLE, "shutting_down", "daemon is shutting down".into()),
+            ApiError::ShuttingDown => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shutting_down",
+                "daemon is shutting down".into(),
+            ),
             ApiError::Internal(m) => {
                 tracing::error!(error = %m, "internal error");
-                (StatusCode::INTERNAL_SERVER_ERROR, "internal", "internal error; see the daemon log".into())
+                (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal",
+                    "internal error; see the daemon log".into(),
+                )
             }
         };
         let server = crate::SERVER_NAME.get().cloned().unwrap_or_default();
-        (status, axum::Json(json!({"error": error, "message": message, "server": server}))).into_response()
+        (
+            status,
+            axum::Json(json!({"error": error, "message": message, "server": server})),
+        )
+            .into_response()
     }
 }

@@ -5,6 +5,7 @@ use axum::Json;
 use serde_json::{json, Value};
 
 /// (method, path) of every route, as the router registers them.
+#[cfg(test)]
 pub const ROUTES: &[(&str, &str)] = &[
     ("get", "/health"),
     ("post", "/v1/runs"),
@@ -17,6 +18,10 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("get", "/v1/runs/{id}/files/{path}"),
     ("put", "/v1/runs/{id}/files/{path}"),
     ("get", "/v1/templates"),
+    ("get", "/v1/images"),
+    ("delete", "/v1/images"),
+    ("post", "/v1/images/pull"),
+    ("post", "/v1/images/import"),
     ("get", "/v1/openapi.json"),
 ];
 
@@ -109,6 +114,20 @@ pub fn document() -> Value {
                     "responses": {"201": ok("written", json!({"type": "object"})), "400": err(), "404": err(), "413": err()}}},
             "/v1/templates": {"get": {"summary": "configured templates",
                 "responses": {"200": ok("templates", json!({"type": "object"}))}}},
+            "/v1/images": {
+                "get": {"summary": "stored images (and the built-in host image)",
+                    "responses": {"200": ok("images", json!({"type": "object"}))}},
+                "delete": {"summary": "remove an image; unreferenced layers are collected",
+                    "parameters": [{"name": "ref", "in": "query", "required": true, "schema": {"type": "string"}}],
+                    "responses": {"200": ok("removed", json!({"type": "object"})), "400": err(), "404": err()}}},
+            "/v1/images/pull": {"post": {"summary": "pull HOST[:PORT]/NAME[:TAG|@sha256:…]; SSE progress with Accept: text/event-stream",
+                "requestBody": {"content": {"application/json": {"schema": {"type": "object", "required": ["reference"],
+                    "properties": {"reference": {"type": "string"}}}}}},
+                "responses": {"201": ok("pulled", json!({"type": "object"})), "400": err(), "422": err()}}},
+            "/v1/images/import": {"post": {"summary": "import an OCI layout directory or a docker save archive from the daemon's host",
+                "requestBody": {"content": {"application/json": {"schema": {"type": "object", "required": ["path"],
+                    "properties": {"path": {"type": "string"}, "reference": {"type": "string"}}}}}},
+                "responses": {"201": ok("imported", json!({"type": "object"})), "400": err(), "422": err()}}},
             "/v1/openapi.json": {"get": {"summary": "this document", "responses": {"200": {"description": "OpenAPI 3"}}}}
         }
     })
@@ -133,7 +152,10 @@ mod tests {
                 }
             }
         }
-        let mut routes: Vec<(String, String)> = ROUTES.iter().map(|(m, p)| (m.to_string(), p.to_string())).collect();
+        let mut routes: Vec<(String, String)> = ROUTES
+            .iter()
+            .map(|(m, p)| (m.to_string(), p.to_string()))
+            .collect();
         routes.sort();
         described.sort();
         assert_eq!(described, routes);

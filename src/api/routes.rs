@@ -24,7 +24,7 @@ use crate::runs::ListFilter;
 pub const JSON_STREAM_CAP: usize = 1 << 20;
 
 /// Parses a JSON body; unknown fields and bad types are 400s naming them.
-fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
+pub(super) fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     if body.is_empty() {
         return serde_json::from_slice(b"{}").map_err(|e| ApiError::bad("body", e.to_string()));
     }
@@ -48,7 +48,11 @@ fn check_id(id: &str) -> Result<(), ApiError> {
 }
 
 pub async fn health(State(st): State<Shared>) -> Json<Value> {
-    let status = if st.shutting_down.load(std::sync::atomic::Ordering::Relaxed) { "shutting_down" } else { "ok" };
+    let status = if st.shutting_down.load(std::sync::atomic::Ordering::Relaxed) {
+        "shutting_down"
+    } else {
+        "ok"
+    };
     Json(json!({"status": status, "version": env!("CARGO_PKG_VERSION"), "server": st.server}))
 }
 
@@ -69,7 +73,9 @@ pub async fn templates(State(st): State<Shared>) -> Json<Value> {
 pub async fn create_run(State(st): State<Shared>, body: Bytes) -> Result<Response, ApiError> {
     let req: CreateRequest = parse(&body)?;
     if req.warm.is_some() {
-        return Err(ApiError::Unprocessable("warm: the warm repo cache is not available in this daemon yet".into()));
+        return Err(ApiError::Unprocessable(
+            "warm: the warm repo cache is not available in this daemon yet".into(),
+        ));
     }
     let plan = req.plan(&st.templates)?;
     if plan.network != "none" {
@@ -82,13 +88,19 @@ pub async fn create_run(State(st): State<Shared>, body: Bytes) -> Result<Respons
     Ok((StatusCode::CREATED, Json(v)).into_response())
 }
 
-pub async fn list_runs(State(st): State<Shared>, Query(q): Query<HashMap<String, String>>) -> Result<Json<Value>, ApiError> {
+pub async fn list_runs(
+    State(st): State<Shared>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Result<Json<Value>, ApiError> {
     let mut filter = ListFilter::default();
     for (k, v) in &q {
         match k.as_str() {
             "status" => {
                 filter.status = Some(Status::parse(v).ok_or_else(|| {
-                    ApiError::bad("status", "must be creating, running, killed, expired or error")
+                    ApiError::bad(
+                        "status",
+                        "must be creating, running, killed, expired or error",
+                    )
                 })?)
             }
             "label" => {
@@ -104,7 +116,10 @@ pub async fn list_runs(State(st): State<Shared>, Query(q): Query<HashMap<String,
     Ok(Json(json!({"server": st.server, "runs": runs})))
 }
 
-pub async fn get_run(State(st): State<Shared>, Path(id): Path<String>) -> Result<Json<Value>, ApiError> {
+pub async fn get_run(
+    State(st): State<Shared>,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
     check_id(&id)?;
     Ok(Json(st.runs.get(&id).await?))
 }
@@ -115,11 +130,18 @@ struct PatchBody {
     ttl_sec: u64,
 }
 
-pub async fn patch_run(State(st): State<Shared>, Path(id): Path<String>, body: Bytes) -> Result<Json<Value>, ApiError> {
+pub async fn patch_run(
+    State(st): State<Shared>,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
     check_id(&id)?;
     let b: PatchBody = parse(&body)?;
     if b.ttl_sec == 0 || b.ttl_sec > crate::runs::model::MAX_TTL_SECS {
-        return Err(ApiError::bad("ttlSec", format!("must be 1 to {}", crate::runs::model::MAX_TTL_SECS)));
+        return Err(ApiError::bad(
+            "ttlSec",
+            format!("must be 1 to {}", crate::runs::model::MAX_TTL_SECS),
+        ));
     }
     Ok(Json(st.runs.patch_ttl(&id, b.ttl_sec).await?))
 }
@@ -146,7 +168,9 @@ pub async fn delete_run(
 fn encode_chunk(b: &[u8]) -> Value {
     match std::str::from_utf8(b) {
         Ok(s) => json!({"data": s}),
-        Err(_) => json!({"data": base64::engine::general_purpose::STANDARD.encode(b), "encoding": "base64"}),
+        Err(_) => {
+            json!({"data": base64::engine::general_purpose::STANDARD.encode(b), "encoding": "base64"})
+        }
     }
 }
 
@@ -174,21 +198,37 @@ impl Drop for OpGuard {
     }
 }
 
-pub async fn exec(State(st): State<Shared>, Path(id): Path<String>, headers: HeaderMap, body: Bytes) -> Result<Response, ApiError> {
+pub async fn exec(
+    State(st): State<Shared>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
     check_id(&id)?;
     let b: ExecBody = parse(&body)?;
     let plan = b.plan()?;
     let ticket = st.runs.exec_begin(&id).await?;
-    let guard = OpGuard { runs: st.runs.clone(), id: id.clone() };
+    let guard = OpGuard {
+        runs: st.runs.clone(),
+        id: id.clone(),
+    };
     let (tx, mut rx) = mpsc::channel::<ExecEvent>(64);
     let host = st.host.clone();
     tokio::spawn(async move {
         let _guard = guard;
         if let Err(e) = crate::runs::exec::run(&host, &ticket, plan, tx.clone()).await {
             tracing::error!(run = %ticket.id, error = %e, "exec");
-            let _ = tx.send(ExecEvent::Stderr(Bytes::from(format!("sbx: exec failed: {e}\n")))).await;
             let _ = tx
-                .send(ExecEvent::Exit(ExitInfo { exit_code: 125, timed_out: false, duration_ms: 0 }))
+                .send(ExecEvent::Stderr(Bytes::from(format!(
+                    "sbx: exec failed: {e}\n"
+                ))))
+                .await;
+            let _ = tx
+                .send(ExecEvent::Exit(ExitInfo {
+                    exit_code: 125,
+                    timed_out: false,
+                    duration_ms: 0,
+                }))
                 .await;
         }
     });
@@ -233,7 +273,9 @@ fn append_capped(buf: &mut Vec<u8>, b: &[u8]) -> bool {
     b.len() > room
 }
 
-fn async_stream(mut rx: mpsc::Receiver<ExecEvent>) -> impl futures_util::Stream<Item = Result<Event, Infallible>> {
+fn async_stream(
+    mut rx: mpsc::Receiver<ExecEvent>,
+) -> impl futures_util::Stream<Item = Result<Event, Infallible>> {
     let (mut pend_out, mut pend_err) = (Vec::new(), Vec::new());
     let (etx, erx) = mpsc::channel::<Result<Event, Infallible>>(64);
     tokio::spawn(async move {
@@ -245,7 +287,9 @@ fn async_stream(mut rx: mpsc::Receiver<ExecEvent>) -> impl futures_util::Stream<
                     if ready.is_empty() {
                         continue;
                     }
-                    Event::default().event("stdout").data(encode_chunk(&ready).to_string())
+                    Event::default()
+                        .event("stdout")
+                        .data(encode_chunk(&ready).to_string())
                 }
                 ExecEvent::Stderr(b) => {
                     pend_err.extend_from_slice(&b);
@@ -253,17 +297,25 @@ fn async_stream(mut rx: mpsc::Receiver<ExecEvent>) -> impl futures_util::Stream<
                     if ready.is_empty() {
                         continue;
                     }
-                    Event::default().event("stderr").data(encode_chunk(&ready).to_string())
+                    Event::default()
+                        .event("stderr")
+                        .data(encode_chunk(&ready).to_string())
                 }
                 ExecEvent::Exit(x) => {
                     for (name, p) in [("stdout", &pend_out), ("stderr", &pend_err)] {
                         if !p.is_empty() {
-                            let _ = etx.send(Ok(Event::default().event(name).data(encode_chunk(p).to_string()))).await;
+                            let _ = etx
+                                .send(Ok(Event::default()
+                                    .event(name)
+                                    .data(encode_chunk(p).to_string())))
+                                .await;
                         }
                     }
                     let mut v = serde_json::to_value(x).unwrap_or_default();
                     v["truncated"] = json!(false);
-                    let _ = etx.send(Ok(Event::default().event("exit").data(v.to_string()))).await;
+                    let _ = etx
+                        .send(Ok(Event::default().event("exit").data(v.to_string())))
+                        .await;
                     break;
                 }
             };
@@ -283,7 +335,10 @@ async fn files_op<T: Send + 'static>(
 ) -> Result<T, ApiError> {
     check_id(id)?;
     let ticket = st.runs.files_begin(id).await?;
-    let _guard = OpGuard { runs: st.runs.clone(), id: id.to_string() };
+    let _guard = OpGuard {
+        runs: st.runs.clone(),
+        id: id.to_string(),
+    };
     tokio::task::spawn_blocking(move || f(ticket))
         .await
         .map_err(|e| ApiError::Internal(e.to_string()))?
@@ -292,18 +347,28 @@ async fn files_op<T: Send + 'static>(
 
 fn content_response(st: &Shared, c: Content) -> Response {
     match c {
-        Content::File(bytes) => ([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response(),
-        Content::Dir(entries) => Json(json!({"server": st.server, "entries": entries})).into_response(),
+        Content::File(bytes) => {
+            ([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response()
+        }
+        Content::Dir(entries) => {
+            Json(json!({"server": st.server, "entries": entries})).into_response()
+        }
     }
 }
 
-pub async fn get_work_root(State(st): State<Shared>, Path(id): Path<String>) -> Result<Response, ApiError> {
+pub async fn get_work_root(
+    State(st): State<Shared>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
     let max = st.max_file_bytes;
     let c = files_op(&st, &id, move |t| files::read(&t.rootfs, "", max)).await?;
     Ok(content_response(&st, c))
 }
 
-pub async fn get_file(State(st): State<Shared>, Path((id, path)): Path<(String, String)>) -> Result<Response, ApiError> {
+pub async fn get_file(
+    State(st): State<Shared>,
+    Path((id, path)): Path<(String, String)>,
+) -> Result<Response, ApiError> {
     let max = st.max_file_bytes;
     let c = files_op(&st, &id, move |t| files::read(&t.rootfs, &path, max)).await?;
     Ok(content_response(&st, c))
@@ -329,12 +394,22 @@ pub async fn put_file(
         }
     }
     if body.len() as u64 > st.max_file_bytes {
-        return Err(ApiError::TooLarge(format!("larger than the limit of {} bytes", st.max_file_bytes)));
+        return Err(ApiError::TooLarge(format!(
+            "larger than the limit of {} bytes",
+            st.max_file_bytes
+        )));
     }
     let size = body.len();
     let p = path.clone();
-    files_op(&st, &id, move |t| files::write(&t.rootfs, &p, &body, mode, t.uid, t.gid)).await?;
-    Ok((StatusCode::CREATED, Json(json!({"server": st.server, "path": format!("/work/{path}"), "size": size}))).into_response())
+    files_op(&st, &id, move |t| {
+        files::write(&t.rootfs, &p, &body, mode, t.uid, t.gid)
+    })
+    .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({"server": st.server, "path": format!("/work/{path}"), "size": size})),
+    )
+        .into_response())
 }
 
 #[cfg(test)]
@@ -355,7 +430,10 @@ mod tests {
 
     #[test]
     fn binary_is_base64() {
-        assert_eq!(encode_chunk(&[0xff, 0x00]), json!({"data": "/wA=", "encoding": "base64"}));
+        assert_eq!(
+            encode_chunk(&[0xff, 0x00]),
+            json!({"data": "/wA=", "encoding": "base64"})
+        );
         assert_eq!(encode_chunk(b"hi"), json!({"data": "hi"}));
     }
 

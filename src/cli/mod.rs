@@ -10,10 +10,20 @@ use serde_json::{json, Value};
 #[derive(Debug, clap::Args, Clone)]
 pub struct Conn {
     /// Daemon URL.
-    #[arg(long, env = "SBX_URL", default_value = "http://127.0.0.1:7439", global = true)]
+    #[arg(
+        long,
+        env = "SBX_URL",
+        default_value = "http://127.0.0.1:7439",
+        global = true
+    )]
     url: String,
     /// Token file (read when SBX_TOKEN is unset).
-    #[arg(long, env = "SBX_TOKEN_FILE", default_value = "/var/lib/sbx/token", global = true)]
+    #[arg(
+        long,
+        env = "SBX_TOKEN_FILE",
+        default_value = "/var/lib/sbx/token",
+        global = true
+    )]
     token_file: PathBuf,
 }
 
@@ -80,12 +90,45 @@ pub enum ClientCommand {
         #[arg(required = true)]
         ids: Vec<String>,
     },
+    /// Manage images.
+    #[command(subcommand)]
+    Image(ImageCommand),
     /// Copy a file: `sbx cp LOCAL ID:PATH` or `sbx cp ID:PATH LOCAL` (PATH relative to /work).
     Cp {
         #[command(flatten)]
         conn: Conn,
         src: String,
         dst: String,
+    },
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum ImageCommand {
+    /// Pull HOST[:PORT]/NAME[:TAG] (progress bar on a terminal).
+    Pull {
+        #[command(flatten)]
+        conn: Conn,
+        reference: String,
+    },
+    /// List stored images.
+    Ls {
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Remove an image; layers nothing uses any more are deleted.
+    Rm {
+        #[command(flatten)]
+        conn: Conn,
+        reference: String,
+    },
+    /// Import an OCI layout directory or a `docker save` archive.
+    Import {
+        #[command(flatten)]
+        conn: Conn,
+        path: PathBuf,
+        /// Name for the image (required when the archive carries none).
+        #[arg(long)]
+        reference: Option<String>,
     },
 }
 
@@ -100,16 +143,27 @@ impl Client {
         let token = match std::env::var("SBX_TOKEN") {
             Ok(t) if !t.is_empty() => t,
             _ => std::fs::read_to_string(&conn.token_file)
-                .with_context(|| format!("read token {} (set SBX_TOKEN or --token-file)", conn.token_file.display()))?
+                .with_context(|| {
+                    format!(
+                        "read token {} (set SBX_TOKEN or --token-file)",
+                        conn.token_file.display()
+                    )
+                })?
                 .trim()
                 .to_string(),
         };
         let http = reqwest::blocking::Client::builder().timeout(None).build()?;
-        Ok(Client { http, url: conn.url.trim_end_matches('/').to_string(), token })
+        Ok(Client {
+            http,
+            url: conn.url.trim_end_matches('/').to_string(),
+            token,
+        })
     }
 
     fn req(&self, method: reqwest::Method, path: &str) -> reqwest::blocking::RequestBuilder {
-        self.http.request(method, format!("{}{}", self.url, path)).bearer_auth(&self.token)
+        self.http
+            .request(method, format!("{}{}", self.url, path))
+            .bearer_auth(&self.token)
     }
 
     fn json(&self, rb: reqwest::blocking::RequestBuilder) -> anyhow::Result<Value> {
@@ -136,7 +190,9 @@ fn error_text(body: &str) -> String {
 fn kv(list: &[String], what: &str) -> anyhow::Result<serde_json::Map<String, Value>> {
     let mut m = serde_json::Map::new();
     for item in list {
-        let (k, v) = item.split_once('=').with_context(|| format!("{what} {item:?} is not KEY=VALUE"))?;
+        let (k, v) = item
+            .split_once('=')
+            .with_context(|| format!("{what} {item:?} is not KEY=VALUE"))?;
         m.insert(k.to_string(), json!(v));
     }
     Ok(m)
@@ -172,7 +228,9 @@ fn exec_stream(c: &Client, id: &str, body: Value) -> anyhow::Result<i32> {
             let bytes = || -> Vec<u8> {
                 let data = v["data"].as_str().unwrap_or_default();
                 if v["encoding"] == "base64" {
-                    base64::engine::general_purpose::STANDARD.decode(data).unwrap_or_default()
+                    base64::engine::general_purpose::STANDARD
+                        .decode(data)
+                        .unwrap_or_default()
                 } else {
                     data.as_bytes().to_vec()
                 }
@@ -198,9 +256,153 @@ fn exec_stream(c: &Client, id: &str, body: Value) -> anyhow::Result<i32> {
     bail!("the stream ended without an exit event")
 }
 
+fn human(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
+}
+
+fn image_cmd(cmd: ImageCommand) -> anyhow::Result<i32> {
+    use std::io::IsTerminal;
+    match cmd {
+        ImageCommand::Pull { conn, reference } => {
+            let c = Client::new(&conn)?;
+            let resp = c
+                .req(reqwest::Method::POST, "/v1/images/pull")
+                .header("accept", "text/event-stream")
+                .json(&json!({"reference": reference}))
+                .send()?;
+            if !resp.status().is_success() {
+                let status = resp.status();
+                bail!("{status}: {}", error_text(&resp.text()?));
+            }
+            let tty = std::io::stderr().is_terminal();
+            let mut layers: std::collections::BTreeMap<String, (u64, u64)> = Default::default();
+            let mut event = String::new();
+            for line in std::io::BufReader::new(resp).lines() {
+                let line = line?;
+                if let Some(e) = line.strip_prefix("event:") {
+                    event = e.trim().to_string();
+                    continue;
+                }
+                let Some(d) = line.strip_prefix("data:") else {
+                    continue;
+                };
+                let v: Value = serde_json::from_str(d.trim())?;
+                match event.as_str() {
+                    "progress" => {
+                        let layer = v["layer"].as_str().unwrap_or_default().to_string();
+                        layers.insert(
+                            layer,
+                            (
+                                v["doneBytes"].as_u64().unwrap_or(0),
+                                v["totalBytes"].as_u64().unwrap_or(0),
+                            ),
+                        );
+                        if tty {
+                            let (done, total) =
+                                layers.values().fold((0, 0), |a, (d, t)| (a.0 + d, a.1 + t));
+                            let pct = if total > 0 { done * 100 / total } else { 0 };
+                            let width = 30;
+                            let filled = (pct as usize * width / 100).min(width);
+                            eprint!(
+                                "\r[{}{}] {pct:>3}% {} / {} ({} layers)",
+                                "#".repeat(filled),
+                                " ".repeat(width - filled),
+                                human(done),
+                                human(total),
+                                layers.len()
+                            );
+                        }
+                    }
+                    "done" => {
+                        if tty {
+                            eprintln!();
+                        }
+                        println!(
+                            "{} {}",
+                            v["reference"].as_str().unwrap_or_default(),
+                            v["digest"].as_str().unwrap_or_default()
+                        );
+                        return Ok(0);
+                    }
+                    "error" => {
+                        if tty {
+                            eprintln!();
+                        }
+                        bail!("{}", v["message"].as_str().unwrap_or("pull failed"));
+                    }
+                    _ => {}
+                }
+            }
+            bail!("the pull stream ended without a result")
+        }
+        ImageCommand::Ls { conn } => {
+            let c = Client::new(&conn)?;
+            let v = c.json(c.req(reqwest::Method::GET, "/v1/images"))?;
+            println!("{:<48}  {:<19}  SIZE", "REFERENCE", "DIGEST");
+            for i in v["images"].as_array().cloned().unwrap_or_default() {
+                let digest = i["digest"].as_str().unwrap_or("(built in)");
+                println!(
+                    "{:<48}  {:<19}  {}",
+                    i["reference"].as_str().unwrap_or_default(),
+                    &digest[..digest.len().min(19)],
+                    i["sizeBytes"].as_u64().map(human).unwrap_or_default()
+                );
+            }
+            Ok(0)
+        }
+        ImageCommand::Rm { conn, reference } => {
+            let c = Client::new(&conn)?;
+            let v = c.json(
+                c.req(reqwest::Method::DELETE, "/v1/images")
+                    .query(&[("ref", reference.as_str())]),
+            )?;
+            println!(
+                "{reference} ({} layers freed)",
+                v["removedLayers"].as_array().map(Vec::len).unwrap_or(0)
+            );
+            Ok(0)
+        }
+        ImageCommand::Import {
+            conn,
+            path,
+            reference,
+        } => {
+            let c = Client::new(&conn)?;
+            let abs =
+                std::fs::canonicalize(&path).with_context(|| format!("{}", path.display()))?;
+            let mut body = json!({"path": abs});
+            if let Some(r) = reference {
+                body["reference"] = json!(r);
+            }
+            let v = c.json(
+                c.req(reqwest::Method::POST, "/v1/images/import")
+                    .json(&body),
+            )?;
+            for i in v["images"].as_array().cloned().unwrap_or_default() {
+                println!("{}", i["reference"].as_str().unwrap_or_default());
+            }
+            Ok(0)
+        }
+    }
+}
+
 pub fn run(cmd: ClientCommand) -> anyhow::Result<i32> {
     match cmd {
-        ClientCommand::Run { conn, image, template, ttl, network, env, labels, cpu, memory_mb, pids, rm, cmd } => {
+        ClientCommand::Image(c) => image_cmd(c),
+        ClientCommand::Run {
+            conn,
+            image,
+            template,
+            ttl,
+            network,
+            env,
+            labels,
+            cpu,
+            memory_mb,
+            pids,
+            rm,
+            cmd,
+        } => {
             let c = Client::new(&conn)?;
             let mut body = json!({});
             if let Some(i) = image {
@@ -247,7 +449,14 @@ pub fn run(cmd: ClientCommand) -> anyhow::Result<i32> {
             }
             code
         }
-        ClientCommand::Exec { conn, id, timeout, env, cwd, cmd } => {
+        ClientCommand::Exec {
+            conn,
+            id,
+            timeout,
+            env,
+            cwd,
+            cmd,
+        } => {
             let c = Client::new(&conn)?;
             let mut body = json!({"cmd": cmd_value(&cmd)});
             if let Some(t) = timeout {
@@ -261,7 +470,11 @@ pub fn run(cmd: ClientCommand) -> anyhow::Result<i32> {
             }
             exec_stream(&c, &id, body)
         }
-        ClientCommand::Ls { conn, status, json: as_json } => {
+        ClientCommand::Ls {
+            conn,
+            status,
+            json: as_json,
+        } => {
             let c = Client::new(&conn)?;
             let path = match status {
                 Some(s) => format!("/v1/runs?status={s}"),
@@ -272,7 +485,10 @@ pub fn run(cmd: ClientCommand) -> anyhow::Result<i32> {
                 println!("{}", serde_json::to_string_pretty(&v)?);
                 return Ok(0);
             }
-            println!("{:<26}  {:<8}  {:<16}  {:<8}  EXPIRES", "ID", "STATUS", "IMAGE", "NETWORK");
+            println!(
+                "{:<26}  {:<8}  {:<16}  {:<8}  EXPIRES",
+                "ID", "STATUS", "IMAGE", "NETWORK"
+            );
             for r in v["runs"].as_array().cloned().unwrap_or_default() {
                 println!(
                     "{:<26}  {:<8}  {:<16}  {:<8}  {}",
@@ -305,7 +521,12 @@ pub fn run(cmd: ClientCommand) -> anyhow::Result<i32> {
             let remote = |s: &str| -> Option<(String, String)> {
                 let (id, p) = s.split_once(':')?;
                 ulid::Ulid::from_string(id).ok()?;
-                Some((id.to_string(), p.trim_start_matches("/work/").trim_start_matches('/').to_string()))
+                Some((
+                    id.to_string(),
+                    p.trim_start_matches("/work/")
+                        .trim_start_matches('/')
+                        .to_string(),
+                ))
             };
             match (remote(&src), remote(&dst)) {
                 (None, Some((id, path))) => {
@@ -315,11 +536,16 @@ pub fn run(cmd: ClientCommand) -> anyhow::Result<i32> {
                     } else {
                         data = std::fs::read(&src).with_context(|| format!("read {src}"))?;
                     }
-                    c.json(c.req(reqwest::Method::PUT, &format!("/v1/runs/{id}/files/{path}")).body(data))?;
+                    c.json(
+                        c.req(reqwest::Method::PUT, &format!("/v1/runs/{id}/files/{path}"))
+                            .body(data),
+                    )?;
                     Ok(0)
                 }
                 (Some((id, path)), None) => {
-                    let resp = c.req(reqwest::Method::GET, &format!("/v1/runs/{id}/files/{path}")).send()?;
+                    let resp = c
+                        .req(reqwest::Method::GET, &format!("/v1/runs/{id}/files/{path}"))
+                        .send()?;
                     let status = resp.status();
                     let bytes = resp.bytes()?;
                     if !status.is_success() {

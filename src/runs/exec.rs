@@ -43,13 +43,21 @@ fn merge_env(base: &[(String, String)], extra: &[(String, String)]) -> Vec<Strin
     out.into_iter().map(|(k, v)| format!("{k}={v}")).collect()
 }
 
-async fn pump(mut r: impl tokio::io::AsyncRead + Unpin, tx: mpsc::Sender<ExecEvent>, out: fn(Bytes) -> ExecEvent) {
+async fn pump(
+    mut r: impl tokio::io::AsyncRead + Unpin,
+    tx: mpsc::Sender<ExecEvent>,
+    out: fn(Bytes) -> ExecEvent,
+) {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         match r.read(&mut buf).await {
             Ok(0) | Err(_) => return,
             Ok(n) => {
-                if tx.send(out(Bytes::copy_from_slice(&buf[..n]))).await.is_err() {
+                if tx
+                    .send(out(Bytes::copy_from_slice(&buf[..n])))
+                    .await
+                    .is_err()
+                {
                     // Nobody listens any more; keep draining so the command never blocks.
                     continue;
                 }
@@ -59,7 +67,12 @@ async fn pump(mut r: impl tokio::io::AsyncRead + Unpin, tx: mpsc::Sender<ExecEve
 }
 
 /// Runs the command; events go to `tx`, ending with exactly one `Exit`.
-pub async fn run(host: &Host, ticket: &ExecTicket, plan: ExecPlan, tx: mpsc::Sender<ExecEvent>) -> std::io::Result<()> {
+pub async fn run(
+    host: &Host,
+    ticket: &ExecTicket,
+    plan: ExecPlan,
+    tx: mpsc::Sender<ExecEvent>,
+) -> std::io::Result<()> {
     let req = ExecRequest {
         init_pid: ticket.init_pid,
         init_start: ticket.init_start,
@@ -79,9 +92,18 @@ pub async fn run(host: &Host, ticket: &ExecTicket, plan: ExecPlan, tx: mpsc::Sen
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()?;
-    let mut stdin = child.stdin.take().ok_or_else(|| std::io::Error::other("no stdin"))?;
-    let stdout = child.stdout.take().ok_or_else(|| std::io::Error::other("no stdout"))?;
-    let stderr = child.stderr.take().ok_or_else(|| std::io::Error::other("no stderr"))?;
+    let mut stdin = child
+        .stdin
+        .take()
+        .ok_or_else(|| std::io::Error::other("no stdin"))?;
+    let stdout = child
+        .stdout
+        .take()
+        .ok_or_else(|| std::io::Error::other("no stdout"))?;
+    let stderr = child
+        .stderr
+        .take()
+        .ok_or_else(|| std::io::Error::other("no stderr"))?;
     let header = encode_request(&req);
     let input = plan.stdin;
     let feeder = tokio::spawn(async move {
@@ -98,7 +120,9 @@ pub async fn run(host: &Host, ticket: &ExecTicket, plan: ExecPlan, tx: mpsc::Sen
         Ok(s) => (s?, false),
         Err(_) => {
             let (layout, cg) = (host.layout.clone(), ticket.cgroup.clone());
-            let killed = tokio::task::spawn_blocking(move || sbx_runtime::cgroups::kill_tree(&layout, &cg)).await;
+            let killed =
+                tokio::task::spawn_blocking(move || sbx_runtime::cgroups::kill_tree(&layout, &cg))
+                    .await;
             tracing::info!(run = %ticket.id, killed = ?killed.ok().and_then(Result::ok), "exec timed out");
             let _ = child.start_kill();
             (child.wait().await?, true)
@@ -118,7 +142,9 @@ pub async fn run(host: &Host, ticket: &ExecTicket, plan: ExecPlan, tx: mpsc::Sen
         124
     } else {
         use std::os::unix::process::ExitStatusExt;
-        status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
+        status
+            .code()
+            .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
     };
     let (layout, cg) = (host.layout.clone(), ticket.cgroup.clone());
     tokio::task::spawn_blocking(move || sbx_runtime::cgroups::remove_if_empty(&layout, &cg));
@@ -138,8 +164,14 @@ mod tests {
 
     #[test]
     fn exec_env_overrides_base_env() {
-        let base = vec![("PATH".to_string(), "/bin".to_string()), ("A".to_string(), "1".to_string())];
-        let extra = vec![("A".to_string(), "2".to_string()), ("B".to_string(), "3".to_string())];
+        let base = vec![
+            ("PATH".to_string(), "/bin".to_string()),
+            ("A".to_string(), "1".to_string()),
+        ];
+        let extra = vec![
+            ("A".to_string(), "2".to_string()),
+            ("B".to_string(), "3".to_string()),
+        ];
         assert_eq!(merge_env(&base, &extra), vec!["PATH=/bin", "A=2", "B=3"]);
     }
 }

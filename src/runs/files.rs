@@ -7,7 +7,7 @@ use std::io::{Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
-use rustix::fs::{openat2, Mode, OFlags, ResolveFlags, AtFlags};
+use rustix::fs::{openat2, AtFlags, Mode, OFlags, ResolveFlags};
 
 #[derive(Debug, thiserror::Error)]
 pub enum FileError {
@@ -69,17 +69,28 @@ pub fn components(rel: &str) -> Result<Vec<String>, FileError> {
 }
 
 fn open_root(rootfs: &Path) -> Result<OwnedFd, FileError> {
-    Ok(rustix::fs::open(rootfs, OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty())?)
+    Ok(rustix::fs::open(
+        rootfs,
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?)
 }
 
 fn fd_path(fd: &OwnedFd) -> Result<PathBuf, FileError> {
-    let p = std::fs::read_link(format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(fd)))?;
+    let p = std::fs::read_link(format!(
+        "/proc/self/fd/{}",
+        std::os::fd::AsRawFd::as_raw_fd(fd)
+    ))?;
     Ok(p)
 }
 
 fn reopen(fd: &OwnedFd, flags: OFlags) -> Result<std::fs::File, FileError> {
     let p = format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(fd));
-    let f = rustix::fs::open(p.as_str(), flags | OFlags::CLOEXEC | OFlags::NOCTTY | OFlags::NONBLOCK, Mode::empty())?;
+    let f = rustix::fs::open(
+        p.as_str(),
+        flags | OFlags::CLOEXEC | OFlags::NOCTTY | OFlags::NONBLOCK,
+        Mode::empty(),
+    )?;
     Ok(std::fs::File::from(f))
 }
 
@@ -138,7 +149,8 @@ pub fn read(rootfs: &Path, rel: &str, max: u64) -> Result<Content, FileError> {
                 if name == "." || name == ".." {
                     continue;
                 }
-                let Ok(st) = rustix::fs::statat(&dirf, e.file_name(), AtFlags::SYMLINK_NOFOLLOW) else {
+                let Ok(st) = rustix::fs::statat(&dirf, e.file_name(), AtFlags::SYMLINK_NOFOLLOW)
+                else {
                     continue;
                 };
                 entries.push(DirEntry {
@@ -157,22 +169,47 @@ pub fn read(rootfs: &Path, rel: &str, max: u64) -> Result<Content, FileError> {
 }
 
 fn beneath() -> ResolveFlags {
-    ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS | ResolveFlags::NO_XDEV
+    ResolveFlags::BENEATH
+        | ResolveFlags::NO_SYMLINKS
+        | ResolveFlags::NO_MAGICLINKS
+        | ResolveFlags::NO_XDEV
 }
 
 /// Writes `data` to `/work/<rel>` atomically (temp file + rename), creating
 /// parents; everything created is owned by the run's user.
-pub fn write(rootfs: &Path, rel: &str, data: &[u8], mode: u32, uid: u32, gid: u32) -> Result<(), FileError> {
+pub fn write(
+    rootfs: &Path,
+    rel: &str,
+    data: &[u8],
+    mode: u32,
+    uid: u32,
+    gid: u32,
+) -> Result<(), FileError> {
     let comps = components(rel)?;
     let Some((name, parents)) = comps.split_last() else {
         return Err(FileError::BadPath("a file name is required".into()));
     };
     let root = open_root(rootfs)?;
-    let mut dir = openat2(&root, "work", OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty(), beneath())?;
-    let owner = (Some(rustix::fs::Uid::from_raw(uid)), Some(rustix::fs::Gid::from_raw(gid)));
+    let mut dir = openat2(
+        &root,
+        "work",
+        OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+        beneath(),
+    )?;
+    let owner = (
+        Some(rustix::fs::Uid::from_raw(uid)),
+        Some(rustix::fs::Gid::from_raw(gid)),
+    );
     for c in parents {
         let open = |d: &OwnedFd| {
-            openat2(d, c.as_str(), OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC, Mode::empty(), beneath())
+            openat2(
+                d,
+                c.as_str(),
+                OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                Mode::empty(),
+                beneath(),
+            )
         };
         dir = match open(&dir) {
             Ok(fd) => fd,
@@ -225,7 +262,10 @@ mod tests {
     #[test]
     fn writes_and_reads_inside_work() {
         let t = root();
-        let me = (nix::unistd::getuid().as_raw(), nix::unistd::getgid().as_raw());
+        let me = (
+            nix::unistd::getuid().as_raw(),
+            nix::unistd::getgid().as_raw(),
+        );
         write(t.path(), "a/b/c.txt", b"hello", 0o640, me.0, me.1).expect("write");
         match read(t.path(), "a/b/c.txt", 100).expect("read") {
             Content::File(b) => assert_eq!(b, b"hello"),
@@ -238,7 +278,10 @@ mod tests {
             }
             Content::File(_) => panic!("expected a dir"),
         }
-        assert!(matches!(read(t.path(), "a/b/c.txt", 4), Err(FileError::TooLarge(4))));
+        assert!(matches!(
+            read(t.path(), "a/b/c.txt", 4),
+            Err(FileError::TooLarge(4))
+        ));
     }
 
     #[test]
@@ -248,22 +291,44 @@ mod tests {
         std::os::unix::fs::symlink("../etc/passwd", t.path().join("work/rel")).expect("symlink");
         std::os::unix::fs::symlink("/etc", t.path().join("work/dir")).expect("symlink");
         for p in ["abs", "rel"] {
-            assert!(matches!(read(t.path(), p, 100), Err(FileError::BadPath(_))), "{p}");
+            assert!(
+                matches!(read(t.path(), p, 100), Err(FileError::BadPath(_))),
+                "{p}"
+            );
         }
-        let me = (nix::unistd::getuid().as_raw(), nix::unistd::getgid().as_raw());
+        let me = (
+            nix::unistd::getuid().as_raw(),
+            nix::unistd::getgid().as_raw(),
+        );
         assert!(write(t.path(), "dir/passwd", b"x", 0o644, me.0, me.1).is_err());
-        assert_eq!(std::fs::read_to_string(t.path().join("etc/passwd")).expect("read"), "root");
+        assert_eq!(
+            std::fs::read_to_string(t.path().join("etc/passwd")).expect("read"),
+            "root"
+        );
         // Writing over a symlink replaces the link, not its target.
         write(t.path(), "abs", b"mine", 0o644, me.0, me.1).expect("write");
-        assert_eq!(std::fs::read_to_string(t.path().join("etc/passwd")).expect("read"), "root");
-        assert_eq!(std::fs::read_to_string(t.path().join("work/abs")).expect("read"), "mine");
+        assert_eq!(
+            std::fs::read_to_string(t.path().join("etc/passwd")).expect("read"),
+            "root"
+        );
+        assert_eq!(
+            std::fs::read_to_string(t.path().join("work/abs")).expect("read"),
+            "mine"
+        );
         assert!(matches!(components("a/../b"), Err(FileError::BadPath(_))));
     }
 
     #[test]
     fn fifos_are_refused_without_hanging() {
         let t = root();
-        nix::unistd::mkfifo(&t.path().join("work/fifo"), nix::sys::stat::Mode::from_bits_truncate(0o644)).expect("fifo");
-        assert!(matches!(read(t.path(), "fifo", 100), Err(FileError::NotRegular)));
+        nix::unistd::mkfifo(
+            &t.path().join("work/fifo"),
+            nix::sys::stat::Mode::from_bits_truncate(0o644),
+        )
+        .expect("fifo");
+        assert!(matches!(
+            read(t.path(), "fifo", 100),
+            Err(FileError::NotRegular)
+        ));
     }
 }

@@ -61,9 +61,13 @@ pub struct ListFilter {
     pub label: Option<(String, Option<String>)>,
 }
 
-enum Cmd {
+pub(crate) enum Cmd {
     Create(Box<CreatePlan>, oneshot::Sender<Result<Value, RunError>>),
-    Created(String, Result<Started, (u16, String)>, oneshot::Sender<Result<Value, RunError>>),
+    Created(
+        String,
+        Result<Started, (u16, String)>,
+        oneshot::Sender<Result<Value, RunError>>,
+    ),
     Get(String, oneshot::Sender<Result<Value, RunError>>),
     List(ListFilter, oneshot::Sender<Vec<Value>>),
     Patch(String, u64, oneshot::Sender<Result<Value, RunError>>),
@@ -103,6 +107,9 @@ struct Record {
     error: Option<String>,
     /// Names of create-time env vars (values are sealed, never shown).
     env_names: Vec<String>,
+    /// The image's own environment (PATH and friends), under the run's.
+    #[serde(default)]
+    image_env: Vec<(String, String)>,
 }
 
 struct Entry {
@@ -122,7 +129,10 @@ pub fn now_ms() -> i64 {
 pub fn rfc3339(ms: i64) -> String {
     time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
         .ok()
-        .and_then(|t| t.format(&time::format_description::well_known::Rfc3339).ok())
+        .and_then(|t| {
+            t.format(&time::format_description::well_known::Rfc3339)
+                .ok()
+        })
         .unwrap_or_default()
 }
 
@@ -171,7 +181,12 @@ impl Registry {
         v
     }
 
-    fn persist(&mut self, id: &str, sealed_env: Option<Vec<u8>>, event: &str) -> Result<(), RunError> {
+    fn persist(
+        &mut self,
+        id: &str,
+        sealed_env: Option<Vec<u8>>,
+        event: &str,
+    ) -> Result<(), RunError> {
         let Some(e) = self.runs.get(id) else {
             return Ok(());
         };
@@ -182,7 +197,13 @@ impl Registry {
         }
         let status = e.rec.status.as_str();
         self.store
-            .put_run(id, status, &record, sealed_env.as_deref(), Some((event, now_ms())))
+            .put_run(
+                id,
+                status,
+                &record,
+                sealed_env.as_deref(),
+                Some((event, now_ms())),
+            )
             .map_err(|e| RunError::Internal(format!("{:#}", anyhow::Error::from(e))))?;
         if !e.rec.status.is_live() {
             let _ = self.store.drop_env(id);
@@ -206,7 +227,12 @@ impl Registry {
         }
     }
 
-    fn spawn_destroy(&self, id: String, purge: bool, reply: Option<oneshot::Sender<Result<Value, RunError>>>) {
+    fn spawn_destroy(
+        &self,
+        id: String,
+        purge: bool,
+        reply: Option<oneshot::Sender<Result<Value, RunError>>>,
+    ) {
         let host = self.host.clone();
         let tx = self.tx.clone();
         tokio::spawn(async move {
@@ -267,10 +293,16 @@ impl Registry {
                     ended_ms: None,
                     error: None,
                     env_names: plan.env.iter().map(|(k, _)| k.clone()).collect(),
+                    image_env: Vec::new(),
                 };
                 self.runs.insert(
                     id.clone(),
-                    Entry { rec, env: plan.env.clone(), shim: None, in_flight: 0 },
+                    Entry {
+                        rec,
+                        env: plan.env.clone(),
+                        shim: None,
+                        in_flight: 0,
+                    },
                 );
                 let sealed = self.sealer.seal(&env_json);
                 if let Err(e) = self.persist(&id, Some(sealed), "") {
@@ -283,7 +315,10 @@ impl Registry {
                 let tx = self.tx.clone();
                 tokio::spawn(async move {
                     let result = async {
-                        let root = images.root_for(&plan.image).await.map_err(|e| (422u16, e))?;
+                        let root = images
+                            .root_for(&plan.image)
+                            .await
+                            .map_err(|e| (422u16, e))?;
                         sandbox::create(&host, &id, &plan, root)
                             .await
                             .map_err(|e| (500u16, format!("{:#}", anyhow::Error::from(e))))
@@ -300,6 +335,7 @@ impl Registry {
                         if let Some(e) = self.runs.get_mut(&id) {
                             e.shim = Some(shim);
                             e.rec.status = Status::Running;
+                            e.rec.image_env = started.image_env;
                         }
                         let persisted = self.persist(&id, None, "");
                         self.watch(id.clone(), Some(started.child), shim);
@@ -310,7 +346,11 @@ impl Registry {
                                 let _ = reply.send(v.ok_or(RunError::NotFound(id)));
                             }
                             Err(e) => {
-                                self.set_status(&id, Status::Error, Some("could not record the run".into()));
+                                self.set_status(
+                                    &id,
+                                    Status::Error,
+                                    Some("could not record the run".into()),
+                                );
                                 self.spawn_destroy(id, false, None);
                                 let _ = reply.send(Err(e));
                             }
@@ -323,7 +363,10 @@ impl Registry {
                             let _ = child.wait().await;
                         });
                         self.spawn_destroy(id.clone(), false, None);
-                        let _ = reply.send(Err(RunError::NotRunning { id, status: "killed" }));
+                        let _ = reply.send(Err(RunError::NotRunning {
+                            id,
+                            status: "killed",
+                        }));
                     }
                     (Err((code, msg)), _) => {
                         tracing::warn!(run = %id, error = %msg, "create failed");
@@ -337,7 +380,24 @@ impl Registry {
                 }
             }
             Cmd::Get(id, reply) => {
-                let v = self.runs.get(&id).map(|e| self.view(e));
+                let v = self.runs.get(&id).map(|e| {
+                    let mut v = self.view(e);
+                    let history: Vec<Value> = self
+                        .store
+                        .history(&id)
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(|(status, at, msg)| {
+                            let mut h = json!({"status": status, "at": rfc3339(at)});
+                            if let Some(m) = msg.filter(|m| !m.is_empty()) {
+                                h["message"] = json!(m);
+                            }
+                            h
+                        })
+                        .collect();
+                    v["history"] = json!(history);
+                    v
+                });
                 let _ = reply.send(v.ok_or(RunError::NotFound(id)));
             }
             Cmd::List(filter, reply) => {
@@ -359,16 +419,18 @@ impl Registry {
             Cmd::Patch(id, ttl, reply) => {
                 let r = match self.runs.get_mut(&id) {
                     None => Err(RunError::NotFound(id.clone())),
-                    Some(e) if !e.rec.status.is_live() => {
-                        Err(RunError::NotRunning { id: id.clone(), status: e.rec.status.as_str() })
-                    }
+                    Some(e) if !e.rec.status.is_live() => Err(RunError::NotRunning {
+                        id: id.clone(),
+                        status: e.rec.status.as_str(),
+                    }),
                     Some(e) => {
                         e.rec.expires_ms = now_ms() + (ttl as i64) * 1000;
                         Ok(())
                     }
                 };
                 let r = r.and_then(|()| self.persist(&id, None, "ttl changed"));
-                let _ = reply.send(r.map(|()| self.runs.get(&id).map(|e| self.view(e)).unwrap_or_default()));
+                let _ = reply
+                    .send(r.map(|()| self.runs.get(&id).map(|e| self.view(e)).unwrap_or_default()));
             }
             Cmd::Delete(id, purge, reply) => {
                 let Some(e) = self.runs.get(&id) else {
@@ -417,13 +479,22 @@ impl Registry {
                         (Status::Running, Some(s)) => {
                             e.in_flight += 1;
                             let mut base_env = vec![
-                                ("PATH".to_string(), sbx_runtime::spec::DEFAULT_PATH.to_string()),
-                                ("HOME".to_string(), "/work".to_string()),
+                                (
+                                    "PATH".to_string(),
+                                    sbx_runtime::spec::DEFAULT_PATH.to_string(),
+                                ),
                                 ("HOSTNAME".to_string(), id.clone()),
                             ];
+                            base_env.extend(e.rec.image_env.iter().cloned());
+                            base_env.push(("HOME".to_string(), "/work".to_string()));
                             base_env.extend(e.env.iter().cloned());
+                            let base_env = dedup_env(base_env);
                             Ok(ExecTicket {
-                                cgroup: format!("{}/exec-{}", self.host.cgroup(&id), ulid::Ulid::new()),
+                                cgroup: format!(
+                                    "{}/exec-{}",
+                                    self.host.cgroup(&id),
+                                    ulid::Ulid::new()
+                                ),
                                 id,
                                 init_pid: s.init_pid,
                                 init_start: s.init_start,
@@ -433,7 +504,10 @@ impl Registry {
                                 base_env,
                             })
                         }
-                        (status, _) => Err(RunError::NotRunning { id, status: status.as_str() }),
+                        (status, _) => Err(RunError::NotRunning {
+                            id,
+                            status: status.as_str(),
+                        }),
                     },
                 };
                 let _ = reply.send(r);
@@ -449,7 +523,10 @@ impl Registry {
                             gid: e.rec.gid,
                         })
                     }
-                    Some(e) => Err(RunError::NotRunning { id, status: e.rec.status.as_str() }),
+                    Some(e) => Err(RunError::NotRunning {
+                        id,
+                        status: e.rec.status.as_str(),
+                    }),
                 };
                 let _ = reply.send(r);
             }
@@ -473,13 +550,17 @@ impl Registry {
                 }
             }
             Cmd::ShimExited(id, shim_start) => {
-                let live = self
-                    .runs
-                    .get(&id)
-                    .is_some_and(|e| e.rec.status == Status::Running && e.shim.map(|s| s.shim_start) == Some(shim_start));
+                let live = self.runs.get(&id).is_some_and(|e| {
+                    e.rec.status == Status::Running
+                        && e.shim.map(|s| s.shim_start) == Some(shim_start)
+                });
                 if live && !self.shutting_down {
                     tracing::warn!(run = %id, "sandbox exited on its own");
-                    self.set_status(&id, Status::Error, Some("sandbox exited unexpectedly".into()));
+                    self.set_status(
+                        &id,
+                        Status::Error,
+                        Some("sandbox exited unexpectedly".into()),
+                    );
                     self.spawn_destroy(id, false, None);
                 }
             }
@@ -494,7 +575,11 @@ impl Registry {
                         .collect();
                     let host = self.host.clone();
                     for id in &live {
-                        self.set_status(id, Status::Killed, Some("daemon stopped with --stop-runs-on-exit".into()));
+                        self.set_status(
+                            id,
+                            Status::Killed,
+                            Some("daemon stopped with --stop-runs-on-exit".into()),
+                        );
                     }
                     tokio::spawn(async move {
                         let _ = tokio::task::spawn_blocking(move || {
@@ -517,7 +602,10 @@ impl Registry {
     /// Start-up reconciliation: re-adopt live runs, mark vanished ones
     /// `error`, remove everything of this daemon's that has no live record.
     fn reconcile(&mut self) -> Result<(), RunError> {
-        let stored = self.store.load_runs().map_err(|e| RunError::Internal(e.to_string()))?;
+        let stored = self
+            .store
+            .load_runs()
+            .map_err(|e| RunError::Internal(e.to_string()))?;
         let mut adopted = Vec::new();
         let mut gone = Vec::new();
         for s in stored {
@@ -529,7 +617,8 @@ impl Registry {
                 .ok()
                 .or_else(|| ShimState::load(&self.host.paths(&rec.id)).ok());
             let id = rec.id.clone();
-            let live = rec.status.is_live() && shim.is_some_and(|s| s.init_alive() && s.shim_alive());
+            let live =
+                rec.status.is_live() && shim.is_some_and(|s| s.init_alive() && s.shim_alive());
             let env = if live {
                 s.env_sealed
                     .as_deref()
@@ -540,7 +629,15 @@ impl Registry {
                 Vec::new()
             };
             let was_live = rec.status.is_live();
-            self.runs.insert(id.clone(), Entry { rec, env, shim, in_flight: 0 });
+            self.runs.insert(
+                id.clone(),
+                Entry {
+                    rec,
+                    env,
+                    shim,
+                    in_flight: 0,
+                },
+            );
             if live {
                 if let Some(e) = self.runs.get_mut(&id) {
                     e.rec.status = Status::Running;
@@ -552,7 +649,11 @@ impl Registry {
         }
         for id in &gone {
             tracing::warn!(run = %id, "sandbox gone after restart");
-            self.set_status(id, Status::Error, Some("sandbox was gone after a daemon restart".into()));
+            self.set_status(
+                id,
+                Status::Error,
+                Some("sandbox was gone after a daemon restart".into()),
+            );
         }
         for id in &adopted {
             if let Some(s) = self.runs.get(id).and_then(|e| e.shim) {
@@ -565,10 +666,20 @@ impl Registry {
         let live: std::collections::HashSet<String> = adopted.into_iter().collect();
         let mut orphans: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
         if let Ok(rd) = std::fs::read_dir(self.host.runs_dir()) {
-            orphans.extend(rd.flatten().map(|e| e.file_name().to_string_lossy().into_owned()));
+            orphans.extend(
+                rd.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned()),
+            );
         }
-        orphans.extend(sbx_runtime::cgroups::children(&self.host.layout, &self.host.cgroup_parent));
-        orphans.extend(sandbox::find_shims(&self.host.runs_dir()).into_iter().map(|(_, id)| id));
+        orphans.extend(sbx_runtime::cgroups::children(
+            &self.host.layout,
+            &self.host.cgroup_parent,
+        ));
+        orphans.extend(
+            sandbox::find_shims(&self.host.runs_dir())
+                .into_iter()
+                .map(|(_, id)| id),
+        );
         orphans.retain(|id| !live.contains(id));
         for id in orphans {
             tracing::info!(run = %id, "removing orphan");
@@ -578,6 +689,18 @@ impl Registry {
         }
         Ok(())
     }
+}
+
+/// Later entries win; order of first appearance is kept.
+fn dedup_env(env: Vec<(String, String)>) -> Vec<(String, String)> {
+    let mut out: Vec<(String, String)> = Vec::new();
+    for (k, v) in env {
+        match out.iter_mut().find(|(ok, _)| *ok == k) {
+            Some(slot) => slot.1 = v,
+            None => out.push((k, v)),
+        }
+    }
+    out
 }
 
 /// Resolves when the process `pid` (started at `start`) has exited.
@@ -591,8 +714,18 @@ async fn wait_pid_exit(pid: i32, start: u64) {
 }
 
 impl Runs {
+    /// A handle whose registry is the receiver of `tx` (tests drive it by hand).
+    #[cfg(test)]
+    pub(crate) fn detached(tx: mpsc::Sender<Cmd>) -> Runs {
+        Runs { tx }
+    }
+
     /// Opens the store, reconciles with the kernel and starts the owner task.
-    pub fn start(host: Arc<Host>, server: String, images: Arc<crate::imagesvc::Images>) -> anyhow::Result<Runs> {
+    pub fn start(
+        host: Arc<Host>,
+        server: String,
+        images: Arc<crate::imagesvc::Images>,
+    ) -> anyhow::Result<Runs> {
         std::fs::create_dir_all(host.runs_dir())?;
         let store = Store::open(&host.state_dir.join("sbx.db"))?;
         let sealer = Sealer::load_or_create(&host.state_dir.join("env.key"))?;
@@ -618,7 +751,10 @@ impl Runs {
 
     async fn ask<T>(&self, make: impl FnOnce(oneshot::Sender<T>) -> Cmd) -> Result<T, RunError> {
         let (tx, rx) = oneshot::channel();
-        self.tx.send(make(tx)).await.map_err(|_| RunError::ShuttingDown)?;
+        self.tx
+            .send(make(tx))
+            .await
+            .map_err(|_| RunError::ShuttingDown)?;
         rx.await.map_err(|_| RunError::ShuttingDown)
     }
 
@@ -632,11 +768,14 @@ impl Runs {
         self.ask(|r| Cmd::List(filter, r)).await
     }
     pub async fn patch_ttl(&self, id: &str, ttl_secs: u64) -> Result<Value, RunError> {
-        self.ask(|r| Cmd::Patch(id.to_string(), ttl_secs, r)).await?
+        self.ask(|r| Cmd::Patch(id.to_string(), ttl_secs, r))
+            .await?
     }
     /// Kills the run and returns once it is torn down.
     pub async fn delete(&self, id: &str, purge: bool) -> Result<(), RunError> {
-        self.ask(|r| Cmd::Delete(id.to_string(), purge, r)).await?.map(|_| ())
+        self.ask(|r| Cmd::Delete(id.to_string(), purge, r))
+            .await?
+            .map(|_| ())
     }
     pub async fn exec_begin(&self, id: &str) -> Result<ExecTicket, RunError> {
         self.ask(|r| Cmd::ExecBegin(id.to_string(), r)).await?

@@ -112,24 +112,39 @@ pub fn parse_user(s: &str) -> Result<(u32, u32), String> {
         Some((u, g)) => (u, Some(g)),
         None => (s, None),
     };
-    let uid: u32 = u.parse().map_err(|_| format!("{s:?} is not uid[:gid] (numeric)"))?;
+    let uid: u32 = u
+        .parse()
+        .map_err(|_| format!("{s:?} is not uid[:gid] (numeric)"))?;
     let gid: u32 = match g {
-        Some(g) => g.parse().map_err(|_| format!("{s:?} is not uid[:gid] (numeric)"))?,
+        Some(g) => g
+            .parse()
+            .map_err(|_| format!("{s:?} is not uid[:gid] (numeric)"))?,
         None => uid,
     };
     Ok((uid, gid))
 }
 
-pub fn validate_env(field: &str, env: &BTreeMap<String, String>) -> Result<Vec<(String, String)>, FieldError> {
+pub fn validate_env(
+    field: &str,
+    env: &BTreeMap<String, String>,
+) -> Result<Vec<(String, String)>, FieldError> {
     if env.len() > MAX_ENV_VARS {
-        return Err(field_err(field, format!("at most {MAX_ENV_VARS} variables")));
+        return Err(field_err(
+            field,
+            format!("at most {MAX_ENV_VARS} variables"),
+        ));
     }
     let mut total = 0;
     for (k, v) in env {
         let mut chars = k.chars();
-        let ok_first = chars.next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
+        let ok_first = chars
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
         if !ok_first || !chars.all(|c| c.is_ascii_alphanumeric() || c == '_') {
-            return Err(field_err(&format!("{field}.{k}"), "not a POSIX variable name"));
+            return Err(field_err(
+                &format!("{field}.{k}"),
+                "not a POSIX variable name",
+            ));
         }
         if v.contains('\0') {
             return Err(field_err(&format!("{field}.{k}"), "value contains NUL"));
@@ -137,7 +152,10 @@ pub fn validate_env(field: &str, env: &BTreeMap<String, String>) -> Result<Vec<(
         total += k.len() + v.len() + 2;
     }
     if total > MAX_ENV_BYTES {
-        return Err(field_err(field, format!("more than {MAX_ENV_BYTES} bytes in total")));
+        return Err(field_err(
+            field,
+            format!("more than {MAX_ENV_BYTES} bytes in total"),
+        ));
     }
     Ok(env.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
 }
@@ -156,12 +174,19 @@ fn validate_labels(labels: &BTreeMap<String, String>) -> Result<(), FieldError> 
     for (k, v) in labels {
         let ok = !k.is_empty()
             && k.len() <= 63
-            && k.chars().all(|c| c.is_ascii_alphanumeric() || "._-/".contains(c));
+            && k.chars()
+                .all(|c| c.is_ascii_alphanumeric() || "._-/".contains(c));
         if !ok {
-            return Err(field_err(&format!("labels.{k}"), "key must be 1-63 of [A-Za-z0-9._-/]"));
+            return Err(field_err(
+                &format!("labels.{k}"),
+                "key must be 1-63 of [A-Za-z0-9._-/]",
+            ));
         }
         if v.len() > 256 || v.contains('\0') {
-            return Err(field_err(&format!("labels.{k}"), "value must be at most 256 bytes"));
+            return Err(field_err(
+                &format!("labels.{k}"),
+                "value must be at most 256 bytes",
+            ));
         }
     }
     Ok(())
@@ -169,21 +194,32 @@ fn validate_labels(labels: &BTreeMap<String, String>) -> Result<(), FieldError> 
 
 impl CreateRequest {
     /// Validates against the template table; errors name the field.
-    pub fn plan(self, templates: &BTreeMap<String, crate::config::Template>) -> Result<CreatePlan, FieldError> {
+    pub fn plan(
+        self,
+        templates: &BTreeMap<String, crate::config::Template>,
+    ) -> Result<CreatePlan, FieldError> {
         let template = match &self.template {
             Some(name) => Some((
                 name.clone(),
                 templates.get(name).ok_or_else(|| {
                     let names: Vec<&str> = templates.keys().map(String::as_str).collect();
-                    field_err("template", format!("unknown template {name:?}; known: {}", names.join(", ")))
+                    field_err(
+                        "template",
+                        format!("unknown template {name:?}; known: {}", names.join(", ")),
+                    )
                 })?,
             )),
             None => None,
         };
         let image = match (&self.image, &template) {
-            (Some(_), Some(_)) => return Err(field_err("image", "give image or template, not both")),
+            (Some(_), Some(_)) => {
+                return Err(field_err("image", "give image or template, not both"))
+            }
             (Some(i), None) => {
-                if i.is_empty() || i.len() > 512 || i.chars().any(|c| c.is_whitespace() || c == '\0') {
+                if i.is_empty()
+                    || i.len() > 512
+                    || i.chars().any(|c| c.is_whitespace() || c == '\0')
+                {
                     return Err(field_err("image", "not an image reference"));
                 }
                 i.clone()
@@ -199,11 +235,19 @@ impl CreateRequest {
             "none" => "none",
             "allowlist" | "egress" => "allowlist",
             "open" => "open",
-            other => return Err(field_err("network", format!("{other:?} is not none, allowlist or open"))),
+            other => {
+                return Err(field_err(
+                    "network",
+                    format!("{other:?} is not none, allowlist or open"),
+                ))
+            }
         }
         .to_string();
         if self.egress_allow.is_some() && network != "allowlist" {
-            return Err(field_err("egressAllow", format!("only allowed with network allowlist, not {network}")));
+            return Err(field_err(
+                "egressAllow",
+                format!("only allowed with network allowlist, not {network}"),
+            ));
         }
         let mut limits = Limits::default();
         if let Some(l) = self.limits {
@@ -215,7 +259,10 @@ impl CreateRequest {
             }
             if let Some(m) = l.memory_mb {
                 if !(64..=262_144).contains(&m) {
-                    return Err(field_err("limits.memoryMb", "must be between 64 and 262144"));
+                    return Err(field_err(
+                        "limits.memoryMb",
+                        "must be between 64 and 262144",
+                    ));
                 }
                 limits.memory_bytes = m << 20;
             }
@@ -272,7 +319,12 @@ pub struct ExecBody {
     pub timeout_sec: Option<u64>,
     pub env: Option<BTreeMap<String, String>>,
     pub stdin: Option<String>,
+    /// Lease credential. Accepted now so clients can send it; it is checked
+    /// once writable leases exist (until then no lease can be held, and the
+    /// pre-lease path lets every exec through).
+    #[allow(dead_code)]
     pub owner: Option<String>,
+    #[allow(dead_code)]
     pub generation: Option<u64>,
 }
 
@@ -288,9 +340,13 @@ pub struct ExecPlan {
 impl ExecBody {
     pub fn plan(self) -> Result<ExecPlan, FieldError> {
         let argv = match self.cmd {
-            Cmd::Shell(s) if s.trim().is_empty() => return Err(field_err("cmd", "must not be empty")),
+            Cmd::Shell(s) if s.trim().is_empty() => {
+                return Err(field_err("cmd", "must not be empty"))
+            }
             Cmd::Shell(s) => vec!["/bin/sh".into(), "-c".into(), s],
-            Cmd::Argv(a) if a.is_empty() || a[0].is_empty() => return Err(field_err("cmd", "must not be empty")),
+            Cmd::Argv(a) if a.is_empty() || a[0].is_empty() => {
+                return Err(field_err("cmd", "must not be empty"))
+            }
             Cmd::Argv(a) => a,
         };
         if argv.iter().any(|a| a.contains('\0')) {
@@ -302,7 +358,10 @@ impl ExecBody {
         };
         let timeout_secs = self.timeout_sec.unwrap_or(DEFAULT_EXEC_TIMEOUT_SECS);
         if timeout_secs == 0 || timeout_secs > MAX_EXEC_TIMEOUT_SECS {
-            return Err(field_err("timeoutSec", format!("must be 1 to {MAX_EXEC_TIMEOUT_SECS}")));
+            return Err(field_err(
+                "timeoutSec",
+                format!("must be 1 to {MAX_EXEC_TIMEOUT_SECS}"),
+            ));
         }
         let env = validate_env("env", &self.env.unwrap_or_default())?;
         Ok(ExecPlan {
@@ -328,7 +387,14 @@ mod tests {
     fn defaults_are_host_image_one_cpu_one_gib_256_pids() {
         let p = req(serde_json::json!({})).expect("plan");
         assert_eq!(p.image, "host");
-        assert_eq!(p.limits, Limits { cpu_millis: 1000, memory_bytes: 1 << 30, pids: 256 });
+        assert_eq!(
+            p.limits,
+            Limits {
+                cpu_millis: 1000,
+                memory_bytes: 1 << 30,
+                pids: 256
+            }
+        );
         assert_eq!((p.uid, p.gid, p.ttl_secs), (1000, 1000, 1800));
         assert_eq!(p.network, "none");
         assert_eq!(p.workdir, "/work");
@@ -338,8 +404,14 @@ mod tests {
     fn limits_are_range_checked_by_field() {
         for (body, field) in [
             (serde_json::json!({"limits": {"cpu": 0.05}}), "limits.cpu"),
-            (serde_json::json!({"limits": {"memoryMb": 63}}), "limits.memoryMb"),
-            (serde_json::json!({"limits": {"pids": 70000}}), "limits.pids"),
+            (
+                serde_json::json!({"limits": {"memoryMb": 63}}),
+                "limits.memoryMb",
+            ),
+            (
+                serde_json::json!({"limits": {"pids": 70000}}),
+                "limits.pids",
+            ),
             (serde_json::json!({"ttlSec": 86401}), "ttlSec"),
             (serde_json::json!({"network": "wide"}), "network"),
             (serde_json::json!({"egressAllow": ["a.com"]}), "egressAllow"),
@@ -349,10 +421,22 @@ mod tests {
             (serde_json::json!({"env": {"1BAD": "x"}}), "env.1BAD"),
             (serde_json::json!({"labels": {"": "x"}}), "labels."),
         ] {
-            assert_eq!(req(body.clone()).expect_err("must fail").field, field, "{body}");
+            assert_eq!(
+                req(body.clone()).expect_err("must fail").field,
+                field,
+                "{body}"
+            );
         }
-        let p = req(serde_json::json!({"limits": {"cpu": 0.5, "memoryMb": 64, "pids": 16}})).expect("ok");
-        assert_eq!(p.limits, Limits { cpu_millis: 500, memory_bytes: 64 << 20, pids: 16 });
+        let p = req(serde_json::json!({"limits": {"cpu": 0.5, "memoryMb": 64, "pids": 16}}))
+            .expect("ok");
+        assert_eq!(
+            p.limits,
+            Limits {
+                cpu_millis: 500,
+                memory_bytes: 64 << 20,
+                pids: 16
+            }
+        );
     }
 
     #[test]
@@ -361,19 +445,29 @@ mod tests {
         assert_eq!(p.image, "python:3.12-slim");
         assert_eq!(p.template.as_deref(), Some("python"));
         assert_eq!(p.network, "allowlist");
-        assert_eq!(req(serde_json::json!({"template": "python", "image": "x"})).expect_err("both").field, "image");
+        assert_eq!(
+            req(serde_json::json!({"template": "python", "image": "x"}))
+                .expect_err("both")
+                .field,
+            "image"
+        );
     }
 
     #[test]
     fn unknown_fields_are_named() {
-        let e = serde_json::from_value::<CreateRequest>(serde_json::json!({"imagee": "x"})).expect_err("unknown");
+        let e = serde_json::from_value::<CreateRequest>(serde_json::json!({"imagee": "x"}))
+            .expect_err("unknown");
         assert!(e.to_string().contains("imagee"), "{e}");
     }
 
     #[test]
     fn env_limits() {
-        let many: BTreeMap<String, String> = (0..65).map(|i| (format!("V{i}"), "x".into())).collect();
-        assert_eq!(validate_env("env", &many).expect_err("too many").field, "env");
+        let many: BTreeMap<String, String> =
+            (0..65).map(|i| (format!("V{i}"), "x".into())).collect();
+        assert_eq!(
+            validate_env("env", &many).expect_err("too many").field,
+            "env"
+        );
         let big: BTreeMap<String, String> = [("A".to_string(), "x".repeat(70_000))].into();
         assert_eq!(validate_env("env", &big).expect_err("too big").field, "env");
         let nul: BTreeMap<String, String> = [("A".to_string(), "a\0b".to_string())].into();
@@ -382,11 +476,14 @@ mod tests {
 
     #[test]
     fn exec_plans() {
-        let b: ExecBody = serde_json::from_value(serde_json::json!({"cmd": "echo hi"})).expect("parse");
+        let b: ExecBody =
+            serde_json::from_value(serde_json::json!({"cmd": "echo hi"})).expect("parse");
         let p = b.plan().expect("plan");
         assert_eq!(p.argv, vec!["/bin/sh", "-c", "echo hi"]);
         assert_eq!(p.timeout_secs, 60);
-        let b: ExecBody = serde_json::from_value(serde_json::json!({"cmd": ["ls", "-l"], "timeoutSec": 601})).expect("parse");
+        let b: ExecBody =
+            serde_json::from_value(serde_json::json!({"cmd": ["ls", "-l"], "timeoutSec": 601}))
+                .expect("parse");
         assert_eq!(b.plan().expect_err("timeout").field, "timeoutSec");
         let b: ExecBody = serde_json::from_value(serde_json::json!({"cmd": []})).expect("parse");
         assert_eq!(b.plan().expect_err("empty").field, "cmd");

@@ -52,6 +52,8 @@ pub struct Host {
     pub state_dir: PathBuf,
     pub layout: Layout,
     pub self_exe: PathBuf,
+    /// The static init every run gets as PID 1 (read-only bind).
+    pub init_binary: PathBuf,
     /// cgroup parent of this daemon's runs, e.g. `/sbx-1a2b3c4d`.
     pub cgroup_parent: String,
 }
@@ -72,7 +74,11 @@ impl Host {
 #[derive(Debug, Clone)]
 pub enum Root {
     Host,
-    Layers(Vec<PathBuf>),
+    /// Layer directories, topmost first, and the image's environment.
+    Layers {
+        layers: Vec<PathBuf>,
+        env: Vec<(String, String)>,
+    },
 }
 
 fn chown_work(rootfs: &Path, workdir: &str, uid: u32, gid: u32) -> std::io::Result<()> {
@@ -89,18 +95,31 @@ fn chown_work(rootfs: &Path, workdir: &str, uid: u32, gid: u32) -> std::io::Resu
 fn prepare(host: &Host, id: &str, plan: &CreatePlan, root: &Root) -> Result<RunSpec, SandboxError> {
     let paths = host.paths(id);
     let rootfs = paths.rootfs();
-    let err = |source| SandboxError::Rootfs { path: rootfs.clone(), source };
+    let err = |source| SandboxError::Rootfs {
+        path: rootfs.clone(),
+        source,
+    };
     std::fs::create_dir_all(&rootfs).map_err(err)?;
     std::fs::set_permissions(&paths.dir, std::fs::Permissions::from_mode(0o711)).map_err(err)?;
-    let user = RunUser { uid: plan.uid, gid: plan.gid };
+    let user = RunUser {
+        uid: plan.uid,
+        gid: plan.gid,
+    };
     let mut ro_binds = Vec::new();
     match root {
         Root::Host => {
             for b in host::prepare(&rootfs, Path::new("/"), id, user).map_err(err)? {
-                ro_binds.push(BindMount { source: b.source, destination: b.destination });
+                ro_binds.push(BindMount {
+                    source: b.source,
+                    destination: b.destination,
+                });
             }
         }
-        Root::Layers(layers) => {
+        Root::Layers { layers, .. } => {
+            // Recorded first, so garbage collection never takes a layer in use.
+            let names = serde_json::to_vec(layers).map_err(|e| err(e.into()))?;
+            sbx_runtime::write_atomic(&paths.dir.join(crate::imagesvc::RUN_LAYERS_FILE), &names)
+                .map_err(err)?;
             std::fs::create_dir_all(paths.upper()).map_err(err)?;
             std::fs::create_dir_all(paths.overlay_work()).map_err(err)?;
             sbx_images::overlay::mount(layers, &paths.upper(), &paths.overlay_work(), &rootfs)
@@ -117,7 +136,7 @@ fn prepare(host: &Host, id: &str, plan: &CreatePlan, root: &Root) -> Result<RunS
     Ok(RunSpec {
         id: id.to_string(),
         rootfs,
-        init_binary: host.self_exe.clone(),
+        init_binary: host.init_binary.clone(),
         uid: plan.uid,
         gid: plan.gid,
         env,
@@ -133,10 +152,17 @@ fn prepare(host: &Host, id: &str, plan: &CreatePlan, root: &Root) -> Result<RunS
 pub struct Started {
     pub shim: ShimState,
     pub child: tokio::process::Child,
+    /// The image's environment (empty for `host`).
+    pub image_env: Vec<(String, String)>,
 }
 
 /// Creates the run: root, bundle, shim. On error everything is torn down.
-pub async fn create(host: &Host, id: &str, plan: &CreatePlan, root: Root) -> Result<Started, SandboxError> {
+pub async fn create(
+    host: &Host,
+    id: &str,
+    plan: &CreatePlan,
+    root: Root,
+) -> Result<Started, SandboxError> {
     let result = create_inner(host, id, plan, root).await;
     if result.is_err() {
         let (h, i) = (host.clone(), id.to_string());
@@ -145,7 +171,16 @@ pub async fn create(host: &Host, id: &str, plan: &CreatePlan, root: Root) -> Res
     result
 }
 
-async fn create_inner(host: &Host, id: &str, plan: &CreatePlan, root: Root) -> Result<Started, SandboxError> {
+async fn create_inner(
+    host: &Host,
+    id: &str,
+    plan: &CreatePlan,
+    root: Root,
+) -> Result<Started, SandboxError> {
+    let image_env = match &root {
+        Root::Host => Vec::new(),
+        Root::Layers { env, .. } => env.clone(),
+    };
     let (h, i, p) = (host.clone(), id.to_string(), plan.clone());
     let spec = tokio::task::spawn_blocking(move || prepare(&h, &i, &p, &root))
         .await
@@ -164,7 +199,10 @@ async fn create_inner(host: &Host, id: &str, plan: &CreatePlan, root: Root) -> R
         .stderr(log)
         .spawn()
         .map_err(SandboxError::Spawn)?;
-    let stdout = child.stdout.take().ok_or_else(|| SandboxError::Shim("no stdout".into()))?;
+    let stdout = child
+        .stdout
+        .take()
+        .ok_or_else(|| SandboxError::Shim("no stdout".into()))?;
     let mut line = String::new();
     let mut reader = tokio::io::BufReader::new(stdout);
     let read = reader.read_line(&mut line);
@@ -172,14 +210,21 @@ async fn create_inner(host: &Host, id: &str, plan: &CreatePlan, root: Root) -> R
     if !matches!(ok, Ok(Ok(n)) if n > 0) || !line.starts_with("ready ") {
         let _ = child.start_kill();
         let _ = child.wait().await;
-        let msg = line.strip_prefix("error ").unwrap_or("shim exited without a word").trim();
+        let msg = line
+            .strip_prefix("error ")
+            .unwrap_or("shim exited without a word")
+            .trim();
         let log = std::fs::read_to_string(paths.shim_log()).unwrap_or_default();
         let last: Vec<&str> = log.lines().rev().take(3).collect();
         tracing::warn!(run = id, shim_log = %last.join(" | "), "shim failed");
         return Err(SandboxError::Shim(msg.to_string()));
     }
     let shim = ShimState::load(&paths).map_err(SandboxError::ShimState)?;
-    Ok(Started { shim, child })
+    Ok(Started {
+        shim,
+        child,
+        image_env,
+    })
 }
 
 /// Tears a run down completely; blocking. Safe to call on anything left
@@ -189,11 +234,15 @@ pub fn destroy(host: &Host, id: &str) -> Result<(), SandboxError> {
     if let Ok(state) = ShimState::load(&paths) {
         stop_shim(&state);
     } else {
-        for pid in find_shims(&host.runs_dir()).into_iter().filter(|(_, i)| i == id) {
+        for pid in find_shims(&host.runs_dir())
+            .into_iter()
+            .filter(|(_, i)| i == id)
+        {
             let _ = kill(Pid::from_raw(pid.0), Signal::SIGKILL);
         }
     }
-    cgroups::destroy_tree(&host.layout, &host.cgroup(id), Duration::from_secs(5)).map_err(SandboxError::Cgroups)?;
+    cgroups::destroy_tree(&host.layout, &host.cgroup(id), Duration::from_secs(5))
+        .map_err(SandboxError::Cgroups)?;
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     let mut mounts = sbx_images::overlay::mounts_under(&mountinfo, &paths.dir);
     mounts.sort_by_key(|m| std::cmp::Reverse(m.components().count()));
@@ -207,7 +256,10 @@ pub fn destroy(host: &Host, id: &str) -> Result<(), SandboxError> {
     match std::fs::remove_dir_all(&paths.dir) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(source) => Err(SandboxError::Remove { path: paths.dir, source }),
+        Err(source) => Err(SandboxError::Remove {
+            path: paths.dir,
+            source,
+        }),
     }
 }
 

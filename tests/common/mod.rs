@@ -44,7 +44,10 @@ pub fn bin() -> &'static str {
 
 impl Daemon {
     pub fn start(extra: &[&str]) -> Daemon {
-        let tmp = tempfile::Builder::new().prefix("sbx-e2e-").tempdir().expect("tempdir");
+        let tmp = tempfile::Builder::new()
+            .prefix("sbx-e2e-")
+            .tempdir()
+            .expect("tempdir");
         let mut d = Daemon {
             child: None,
             state: tmp.path().to_path_buf(),
@@ -91,10 +94,17 @@ impl Daemon {
                     break;
                 }
             }
-            assert!(Instant::now() < deadline, "daemon did not come up; log:\n{}", self.log());
+            assert!(
+                Instant::now() < deadline,
+                "daemon did not come up; log:\n{}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
-        self.token = std::fs::read_to_string(self.state.join("token")).expect("token").trim().to_string();
+        self.token = std::fs::read_to_string(self.state.join("token"))
+            .expect("token")
+            .trim()
+            .to_string();
     }
 
     pub fn log(&self) -> String {
@@ -106,7 +116,9 @@ impl Daemon {
     }
 
     pub fn req(&self, m: reqwest::Method, path: &str) -> reqwest::blocking::RequestBuilder {
-        self.http.request(m, self.url(path)).bearer_auth(&self.token)
+        self.http
+            .request(m, self.url(path))
+            .bearer_auth(&self.token)
     }
 
     /// (status, JSON body) of a request.
@@ -118,7 +130,10 @@ impl Daemon {
         let r = rb.send().expect("request");
         let status = r.status().as_u16();
         let text = r.text().expect("body");
-        (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
     }
 
     pub fn create(&self, body: Value) -> String {
@@ -154,7 +169,10 @@ impl Daemon {
 
     pub fn sigterm(&mut self) {
         if let Some(mut c) = self.child.take() {
-            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(c.id() as i32), nix::sys::signal::Signal::SIGTERM);
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(c.id() as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
             let _ = c.wait();
         }
     }
@@ -163,7 +181,13 @@ impl Daemon {
         use sha2::Digest;
         let canon = self.state.canonicalize().expect("canon");
         let h = sha2::Sha256::digest(canon.as_os_str().as_encoded_bytes());
-        format!("sbx-{}", h.iter().take(4).map(|b| format!("{b:02x}")).collect::<String>())
+        format!(
+            "sbx-{}",
+            h.iter()
+                .take(4)
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>()
+        )
     }
 
     /// Everything this daemon left on the host for run `id`.
