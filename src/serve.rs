@@ -141,6 +141,10 @@ async fn run(cfg: Config, state_dir: std::path::PathBuf) -> anyhow::Result<()> {
     {
         tracing::error!("shutdown did not finish within 30 s");
     }
+    if stop {
+        // Every run is gone: the daemon's cgroup parent goes too.
+        sbx_runtime::cgroups::remove_if_empty(&state.host.layout, &state.host.cgroup_parent);
+    }
     served.context("http server")?;
     tracing::info!(stopped_runs = stop, "stopped");
     Ok(())

@@ -234,8 +234,13 @@ impl ImageStore {
         hex_of(digest).map(|h| self.root.join("layers").join(h))
     }
 
+    /// Records are keyed by the normalized reference, so `busybox:1` and
+    /// `docker.io/library/busybox:1` name the same image.
     fn ref_path(&self, reference: &str) -> PathBuf {
-        let h = Sha256::digest(reference.as_bytes());
+        let key = parse_reference(reference)
+            .map(|r| r.whole())
+            .unwrap_or_else(|_| reference.to_string());
+        let h = Sha256::digest(key.as_bytes());
         self.root
             .join("refs")
             .join(format!("{}.json", hex::encode(h)))
@@ -529,15 +534,14 @@ impl ImageStore {
         } else {
             let staging = self.tmp_path("import");
             std::fs::create_dir(&staging).map_err(io_err(&staging))?;
-            let f = std::fs::File::open(path).map_err(io_err(path))?;
+            let cleanup = RemoveOnDrop(staging.clone());
+            let f = std::fs::File::open(path).map_err(|e| ierr(e.to_string()))?;
             let mut a = tar::Archive::new(std::io::BufReader::new(f));
             a.set_preserve_permissions(false);
             // tar::Archive::unpack refuses entries that would leave `staging`.
-            if let Err(e) = a.unpack(&staging) {
-                let _ = std::fs::remove_dir_all(&staging);
-                return Err(ierr(format!("not a tar archive: {e}")));
-            }
-            (staging.clone(), Some(RemoveOnDrop(staging)))
+            a.unpack(&staging)
+                .map_err(|e| ierr(format!("not a tar archive: {e}")))?;
+            (staging, Some(cleanup))
         };
         let read_json = |p: PathBuf| -> Result<serde_json::Value, ImageError> {
             let b = std::fs::read(&p).map_err(|e| ierr(format!("{}: {e}", p.display())))?;

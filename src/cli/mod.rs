@@ -300,7 +300,7 @@ fn image_cmd(cmd: ImageCommand) -> anyhow::Result<i32> {
                         if tty {
                             let (done, total) =
                                 layers.values().fold((0, 0), |a, (d, t)| (a.0 + d, a.1 + t));
-                            let pct = if total > 0 { done * 100 / total } else { 0 };
+                            let pct = (done * 100).checked_div(total).unwrap_or(0);
                             let width = 30;
                             let filled = (pct as usize * width / 100).min(width);
                             eprint!(

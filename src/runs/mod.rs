@@ -65,7 +65,7 @@ pub(crate) enum Cmd {
     Create(Box<CreatePlan>, oneshot::Sender<Result<Value, RunError>>),
     Created(
         String,
-        Result<Started, (u16, String)>,
+        Result<Box<Started>, (u16, String)>,
         oneshot::Sender<Result<Value, RunError>>,
     ),
     Get(String, oneshot::Sender<Result<Value, RunError>>),
@@ -321,6 +321,7 @@ impl Registry {
                             .map_err(|e| (422u16, e))?;
                         sandbox::create(&host, &id, &plan, root)
                             .await
+                            .map(Box::new)
                             .map_err(|e| (500u16, format!("{:#}", anyhow::Error::from(e))))
                     }
                     .await;

@@ -8,6 +8,34 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
+/// The local test registry (scripts/registry) and its images (scripts/build-images).
+pub fn registry() -> String {
+    std::env::var("SBX_REGISTRY").unwrap_or_else(|_| "127.0.0.1:5000".into())
+}
+
+/// Image tests need the registry; in CI its absence is a failure.
+pub fn require_registry(name: &str) -> bool {
+    if !require_root(name) {
+        return false;
+    }
+    let up = reqwest::blocking::get(format!("http://{}/v2/", registry()))
+        .is_ok_and(|r| r.status().is_success());
+    if up {
+        return true;
+    }
+    if std::env::var("SBX_REQUIRE_E2E").is_ok_and(|v| v == "1") {
+        panic!(
+            "{name}: no registry at {} (start scripts/registry and scripts/build-images)",
+            registry()
+        );
+    }
+    eprintln!(
+        "SKIPPED {name}: no registry at {}; run scripts/registry and scripts/build-images",
+        registry()
+    );
+    false
+}
+
 /// Privileged tests need root. In CI (`SBX_REQUIRE_E2E=1`) anything else is
 /// a failure; a plain `cargo test` as a user prints why it skipped.
 pub fn require_root(name: &str) -> bool {

@@ -1,0 +1,289 @@
+//! End-to-end: images from the local registry and from OCI layouts, with a
+//! real daemon. Needs root and the registry (scripts/registry,
+//! scripts/build-images).
+
+mod common;
+
+use common::{registry, require_registry, wait_for, Daemon};
+use reqwest::Method;
+use serde_json::json;
+
+fn busybox() -> String {
+    format!("{}/sbx/busybox:1", registry())
+}
+fn python() -> String {
+    format!("{}/sbx/python:1", registry())
+}
+
+fn insecure() -> Vec<String> {
+    vec!["--insecure-registry".into(), registry()]
+}
+
+fn start() -> Daemon {
+    let args = insecure();
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    Daemon::start(&refs)
+}
+
+#[test]
+fn pulls_layers_once_and_runs_registry_images() {
+    if !require_registry("pulls_layers_once_and_runs_registry_images") {
+        return;
+    }
+    let d = start();
+    // Two concurrent pulls of one image: no race, one copy of each layer.
+    let (a, b) = std::thread::scope(|s| {
+        let a = s.spawn(|| {
+            d.call(
+                Method::POST,
+                "/v1/images/pull",
+                Some(json!({"reference": busybox()})),
+            )
+        });
+        let b = s.spawn(|| {
+            d.call(
+                Method::POST,
+                "/v1/images/pull",
+                Some(json!({"reference": busybox()})),
+            )
+        });
+        (a.join().expect("a"), b.join().expect("b"))
+    });
+    assert_eq!((a.0, b.0), (201, 201), "{a:?} {b:?}");
+    assert_eq!(a.1["layers"].as_array().expect("layers").len(), 3);
+    let layers_dir = d.state.join("images/layers");
+    assert_eq!(std::fs::read_dir(&layers_dir).expect("layers").count(), 3);
+    assert_eq!(
+        std::fs::read_dir(d.state.join("images/tmp"))
+            .expect("tmp")
+            .count(),
+        0
+    );
+
+    // Three layers (gzip, zstd, plain); the third whites out a file of the second.
+    let id = d.create(json!({"image": busybox()}));
+    let v = d.sh(
+        &id,
+        "cat /etc/layer2; ls /etc/deleted-later 2>&1; echo $IMAGE_NAME; id -u",
+    );
+    assert_eq!(
+        v["stdout"]
+            .as_str()
+            .map(|s| s.lines().collect::<Vec<_>>())
+            .expect("lines")[0],
+        "from layer two"
+    );
+    let out = v["stdout"].as_str().expect("stdout");
+    assert!(out.contains("No such file"), "{out}");
+    assert!(out.ends_with("busybox\n1000\n"), "{out}");
+    // Writes go to the run's upper dir, never into the shared layers.
+    d.sh(&id, "echo changed > /work/x; rm -f /bin/sh 2>&1; true");
+    let id2 = d.create(json!({"image": busybox()}));
+    assert_eq!(d.sh(&id2, "ls /work | wc -l")["stdout"], "0\n");
+    d.call(Method::DELETE, &format!("/v1/runs/{id}"), None);
+    assert_eq!(d.leftovers(&id), Vec::<String>::new());
+
+    // A registry image with python3 and git, pulled on create.
+    let (s, v) = d.call(Method::POST, "/v1/runs", Some(json!({"image": python()})));
+    assert_eq!(s, 201, "{v}");
+    let pid = v["id"].as_str().expect("id").to_string();
+    let v = d.sh(&pid, "python3 -c 'print(6*7)'; git --version | cut -d' ' -f1-2; apt-get --version | head -1 | cut -d' ' -f1");
+    assert_eq!(v["stdout"], "42\ngit version\napt\n");
+
+    // Image removal collects only layers nothing uses.
+    let (s, v) = d.call(Method::GET, "/v1/images", None);
+    assert_eq!(s, 200);
+    assert_eq!(
+        v["images"].as_array().expect("images").len(),
+        3,
+        "host + 2: {v}"
+    );
+    let (s, v) = d
+        .req(Method::DELETE, "/v1/images")
+        .query(&[("ref", busybox())])
+        .send()
+        .map(|r| {
+            (
+                r.status().as_u16(),
+                r.json::<serde_json::Value>().expect("json"),
+            )
+        })
+        .expect("rm");
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(
+        v["removedLayers"].as_array().expect("removed").len(),
+        0,
+        "run {id2} still uses them"
+    );
+    d.call(Method::DELETE, &format!("/v1/runs/{id2}"), None);
+    let (s, _) = d.call(
+        Method::POST,
+        "/v1/images/pull",
+        Some(json!({"reference": python()})),
+    );
+    assert_eq!(s, 201);
+    // Deleting the run frees them for the next collection (run at start-up too).
+    let r = d
+        .req(Method::DELETE, "/v1/images")
+        .query(&[("ref", busybox())])
+        .send()
+        .expect("rm");
+    assert_eq!(r.status().as_u16(), 404, "already removed");
+}
+
+#[test]
+fn bad_and_missing_images_are_4xx_and_leave_nothing() {
+    if !require_registry("bad_and_missing_images_are_4xx_and_leave_nothing") {
+        return;
+    }
+    let d = start();
+    let (s, v) = d.call(
+        Method::POST,
+        "/v1/images/pull",
+        Some(json!({"reference": "Not A Ref"})),
+    );
+    assert_eq!(
+        (
+            s,
+            v["message"].as_str().map(|m| m.starts_with("reference:"))
+        ),
+        (400, Some(true)),
+        "{v}"
+    );
+    let missing = format!("{}/sbx/missing:1", registry());
+    let (s, v) = d.call(Method::POST, "/v1/runs", Some(json!({"image": missing})));
+    assert_eq!(s, 422, "{v}");
+    // A registry that is not insecure-listed is spoken to over TLS, which fails.
+    let strict = Daemon::start(&[]);
+    let (s, v) = strict.call(
+        Method::POST,
+        "/v1/images/pull",
+        Some(json!({"reference": busybox()})),
+    );
+    assert_eq!(s, 422, "{v}");
+    for dm in [&d, &strict] {
+        assert_eq!(
+            std::fs::read_dir(dm.state.join("images/layers"))
+                .expect("layers")
+                .count(),
+            0
+        );
+        assert_eq!(
+            std::fs::read_dir(dm.state.join("images/tmp"))
+                .expect("tmp")
+                .count(),
+            0
+        );
+        let (_, v) = dm.call(Method::GET, "/v1/runs", None);
+        for r in v["runs"].as_array().expect("runs") {
+            assert_eq!(r["status"], "error");
+            assert_eq!(
+                dm.leftovers(r["id"].as_str().expect("id")),
+                Vec::<String>::new()
+            );
+        }
+    }
+}
+
+#[test]
+fn imports_an_oci_layout_and_a_docker_archive_without_a_registry() {
+    if !require_registry("imports_an_oci_layout_and_a_docker_archive_without_a_registry") {
+        return;
+    }
+    let cache = std::env::var("SBX_CACHE").unwrap_or_else(|_| "/var/cache/sbx-ci".into());
+    let layout = std::path::Path::new(&cache).join("busybox-oci");
+    assert!(
+        layout.join("index.json").exists(),
+        "scripts/build-images leaves {}",
+        layout.display()
+    );
+    let d = Daemon::start(&[]);
+    let (s, v) = d.call(
+        Method::POST,
+        "/v1/images/import",
+        Some(json!({"path": layout, "reference": "local/busybox:oci"})),
+    );
+    assert_eq!(s, 201, "{v}");
+    let id = d.create(json!({"image": "local/busybox:oci"}));
+    assert_eq!(d.sh(&id, "cat /etc/layer2")["stdout"], "from layer two\n");
+    // A docker-save archive (scripts/build-images makes it with skopeo).
+    let tar = std::path::Path::new(&cache).join("busybox-docker.tar");
+    assert!(
+        tar.exists(),
+        "scripts/build-images leaves {}",
+        tar.display()
+    );
+    let (s, v) = d.call(
+        Method::POST,
+        "/v1/images/import",
+        Some(json!({"path": tar})),
+    );
+    assert_eq!(s, 201, "{v}");
+    assert_eq!(
+        v["images"][0]["reference"], "docker.io/local/busybox:docker",
+        "as skopeo tagged it"
+    );
+    let id = d.create(json!({"image": "local/busybox:docker"}));
+    assert_eq!(d.sh(&id, "cat /etc/layer2")["stdout"], "from layer two\n");
+    let (s, v) = d.call(
+        Method::POST,
+        "/v1/images/import",
+        Some(json!({"path": "relative/x"})),
+    );
+    assert_eq!(
+        (s, v["message"].as_str().map(|m| m.starts_with("path:"))),
+        (400, Some(true))
+    );
+    let (s, _) = d.call(
+        Method::POST,
+        "/v1/images/import",
+        Some(json!({"path": "/nonexistent/x"})),
+    );
+    assert_eq!(s, 422);
+    wait_for("nothing pending", 5, || {
+        std::fs::read_dir(d.state.join("images/tmp"))
+            .expect("tmp")
+            .count()
+            == 0
+    });
+}
+
+#[test]
+fn templates_resolve_through_the_config_table() {
+    if !require_registry("templates_resolve_through_the_config_table") {
+        return;
+    }
+    let tmp = tempfile::tempdir().expect("tmp");
+    let cfg = tmp.path().join("config.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "insecure-registry = [\"{r}\"]\n[templates.python]\nimage = \"{p}\"\nuser = \"1000:1000\"\nworkdir = \"/work\"\n[templates.tiny]\nimage = \"{b}\"\nuser = \"0:0\"\n",
+            r = registry(),
+            p = python(),
+            b = busybox()
+        ),
+    )
+    .expect("config");
+    let d = Daemon::start(&["--config", cfg.to_str().expect("utf8")]);
+    let (_, v) = d.call(Method::GET, "/v1/templates", None);
+    let names: Vec<&str> = v["templates"]
+        .as_array()
+        .expect("list")
+        .iter()
+        .filter_map(|t| t["name"].as_str())
+        .collect();
+    assert_eq!(names, vec!["python", "tiny"]);
+    let id = d.create(json!({"template": "tiny"}));
+    assert_eq!(d.sh(&id, "id -u; pwd")["stdout"], "0\n/work\n");
+    let (_, run) = d.call(Method::GET, &format!("/v1/runs/{id}"), None);
+    assert_eq!(
+        (run["template"].as_str(), run["image"].as_str()),
+        (Some("tiny"), Some(busybox().as_str()))
+    );
+    // Even as uid 0 the run has no capabilities.
+    assert_eq!(
+        d.sh(&id, "grep CapEff /proc/self/status")["stdout"],
+        "CapEff:\t0000000000000000\n"
+    );
+}
