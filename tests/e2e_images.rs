@@ -281,9 +281,14 @@ fn templates_resolve_through_the_config_table() {
         (run["template"].as_str(), run["image"].as_str()),
         (Some("tiny"), Some(busybox().as_str()))
     );
-    // Even as uid 0 the run has no capabilities.
+    // Even as uid 0 the run has no capabilities, and cannot overwrite its
+    // init through /proc/1/exe.
     assert_eq!(
         d.sh(&id, "grep CapEff /proc/self/status")["stdout"],
         "CapEff:\t0000000000000000\n"
     );
+    let v = d.sh(&id, "echo x > /proc/1/exe; echo rc=$?");
+    assert_eq!(v["stdout"], "rc=1\n", "{v}");
+    let init = std::fs::read(d.state.join("bin/sbx-init")).expect("init");
+    assert_eq!(&init[..4], b"\x7fELF");
 }

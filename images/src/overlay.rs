@@ -29,13 +29,22 @@ pub enum OverlayError {
     NoLayers,
 }
 
+/// Which mount interface assembled an overlay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MountApi {
+    /// `fsopen` + `lowerdir+` per layer: no option-string length limit.
+    LowerdirPlus,
+    /// `mount(2)` with one option string (older kernels).
+    Legacy,
+}
+
 /// Mounts `lowers` (topmost first) + `upper`/`work` on `target`.
 pub fn mount(
     lowers: &[PathBuf],
     upper: &Path,
     work: &Path,
     target: &Path,
-) -> Result<(), OverlayError> {
+) -> Result<MountApi, OverlayError> {
     if lowers.is_empty() {
         return Err(OverlayError::NoLayers);
     }
@@ -44,11 +53,12 @@ pub fn mount(
         source,
     };
     match mount_new_api(lowers, upper, work, target) {
-        Ok(()) => Ok(()),
+        Ok(()) => Ok(MountApi::LowerdirPlus),
         Err(e)
             if e.raw_os_error() == Some(libc::ENOSYS) || e.raw_os_error() == Some(libc::EINVAL) =>
         {
-            mount_legacy(lowers, upper, work, target).map_err(err)
+            mount_legacy(lowers, upper, work, target).map_err(err)?;
+            Ok(MountApi::Legacy)
         }
         Err(e) => Err(err(e)),
     }
@@ -148,6 +158,34 @@ mod tests {
                 PathBuf::from("/var/lib/sbx/runs/A/x y")
             ]
         );
+    }
+
+    #[test]
+    fn mounts_many_layers_with_lowerdir_plus() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("SKIPPED mounts_many_layers_with_lowerdir_plus: mounting needs root");
+            return;
+        }
+        let t = tempfile::tempdir().expect("tmp");
+        // More layers than fit in one legacy option string of 4 KiB paths.
+        let long = t.path().join("l".repeat(200));
+        let mut lowers = Vec::new();
+        for i in 0..40 {
+            let d = long.join(format!("layer-{i:03}"));
+            std::fs::create_dir_all(&d).expect("layer");
+            std::fs::write(d.join(format!("f{i}")), b"x").expect("file");
+            lowers.push(d);
+        }
+        lowers.reverse();
+        let (upper, work, target) = (t.path().join("u"), t.path().join("w"), t.path().join("m"));
+        for d in [&upper, &work, &target] {
+            std::fs::create_dir(d).expect("dir");
+        }
+        let api = mount(&lowers, &upper, &work, &target).expect("mount");
+        let seen = std::fs::read_dir(&target).expect("read").count();
+        unmount(&target).expect("unmount");
+        assert_eq!(api, MountApi::LowerdirPlus);
+        assert_eq!(seen, 40);
     }
 
     #[test]

@@ -122,8 +122,10 @@ fn prepare(host: &Host, id: &str, plan: &CreatePlan, root: &Root) -> Result<RunS
                 .map_err(err)?;
             std::fs::create_dir_all(paths.upper()).map_err(err)?;
             std::fs::create_dir_all(paths.overlay_work()).map_err(err)?;
-            sbx_images::overlay::mount(layers, &paths.upper(), &paths.overlay_work(), &rootfs)
-                .map_err(SandboxError::Mount)?;
+            let api =
+                sbx_images::overlay::mount(layers, &paths.upper(), &paths.overlay_work(), &rootfs)
+                    .map_err(SandboxError::Mount)?;
+            tracing::debug!(run = id, layers = layers.len(), ?api, "overlay mounted");
             for d in ["proc", "dev", "sys", "tmp", ".sbx"] {
                 std::fs::create_dir_all(rootfs.join(d)).map_err(err)?;
             }

@@ -285,6 +285,15 @@ impl Drop for Daemon {
             self.spawn();
             self.sigterm();
         }
+        // Keep the daemon's log only when the test failed.
+        if std::thread::panicking() {
+            eprintln!(
+                "daemon log kept at {}",
+                self.state.with_extension("log").display()
+            );
+        } else {
+            let _ = std::fs::remove_file(self.state.with_extension("log"));
+        }
     }
 }
 
