@@ -22,6 +22,20 @@ pub enum SealError {
     Open,
 }
 
+/// Writes a secret file atomically with mode 0600 (temp file, fsync, rename).
+pub fn write_private(path: &Path, body: &[u8]) -> std::io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    f.write_all(body)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)
+}
+
 pub struct Sealer {
     cipher: ChaCha20Poly1305,
 }
@@ -37,17 +51,7 @@ impl Sealer {
             Ok(k) => k,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let key: [u8; 32] = rand::random();
-                let tmp = path.with_extension("tmp");
-                let mut f = std::fs::OpenOptions::new()
-                    .write(true)
-                    .create(true)
-                    .truncate(true)
-                    .mode(0o600)
-                    .open(&tmp)
-                    .map_err(err)?;
-                f.write_all(&key).map_err(err)?;
-                f.sync_all().map_err(err)?;
-                std::fs::rename(&tmp, path).map_err(err)?;
+                write_private(path, &key).map_err(err)?;
                 key.to_vec()
             }
             Err(e) => return Err(err(e)),

@@ -2,8 +2,6 @@
 //! bounded graceful shutdown.
 
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -27,17 +25,8 @@ pub fn load_or_mint_token(path: &Path) -> anyhow::Result<String> {
     }
     let bytes: [u8; 32] = rand::random();
     let token: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)
-        .with_context(|| format!("write token {}", tmp.display()))?;
-    f.write_all(token.as_bytes())?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, path)?;
+    crate::seal::write_private(path, token.as_bytes())
+        .with_context(|| format!("write token {}", path.display()))?;
     eprintln!("sbx: minted a new API token at {}", path.display());
     Ok(token)
 }

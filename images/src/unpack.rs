@@ -121,6 +121,14 @@ fn werr(path: &str, e: impl Into<io::Error>) -> UnpackError {
     }
 }
 
+type Owner = (Option<rustix::fs::Uid>, Option<rustix::fs::Gid>);
+
+/// Sets the owner of `name` in `dir` without following a symlink.
+fn set_owner(dir: &OwnedFd, name: &str, owner: Owner, path: &str) -> Result<(), UnpackError> {
+    rustix::fs::chownat(dir, name, owner.0, owner.1, AtFlags::SYMLINK_NOFOLLOW)
+        .map_err(|e| werr(path, e))
+}
+
 /// Removes whatever is at `name` in `dir` (file, link or directory tree).
 fn remove_existing(dir: &OwnedFd, name: &str, path: &str) -> Result<(), UnpackError> {
     match rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW) {
@@ -230,14 +238,7 @@ pub fn unpack(reader: impl Read, root: &Path, limits: Limits) -> Result<Stats, U
                             .map_err(|e| werr(&raw, e))?;
                     }
                 }
-                rustix::fs::chownat(
-                    &dir,
-                    name.as_str(),
-                    owner.0,
-                    owner.1,
-                    AtFlags::SYMLINK_NOFOLLOW,
-                )
-                .map_err(|e| werr(&raw, e))?;
+                set_owner(&dir, name, owner, &raw)?;
                 rustix::fs::chmodat(
                     &dir,
                     name.as_str(),
@@ -300,14 +301,7 @@ pub fn unpack(reader: impl Read, root: &Path, limits: Limits) -> Result<Stats, U
                 remove_existing(&dir, name, &raw)?;
                 rustix::fs::symlinkat(target.as_str(), &dir, name.as_str())
                     .map_err(|e| werr(&raw, e))?;
-                rustix::fs::chownat(
-                    &dir,
-                    name.as_str(),
-                    owner.0,
-                    owner.1,
-                    AtFlags::SYMLINK_NOFOLLOW,
-                )
-                .map_err(|e| werr(&raw, e))?;
+                set_owner(&dir, name, owner, &raw)?;
             }
             tar::EntryType::Link => {
                 let target = entry
@@ -338,14 +332,7 @@ pub fn unpack(reader: impl Read, root: &Path, limits: Limits) -> Result<Stats, U
                     0,
                 )
                 .map_err(|e| werr(&raw, e))?;
-                rustix::fs::chownat(
-                    &dir,
-                    name.as_str(),
-                    owner.0,
-                    owner.1,
-                    AtFlags::SYMLINK_NOFOLLOW,
-                )
-                .map_err(|e| werr(&raw, e))?;
+                set_owner(&dir, name, owner, &raw)?;
             }
             tar::EntryType::Char | tar::EntryType::Block => {
                 stats.skipped_devices += 1;
