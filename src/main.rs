@@ -5,6 +5,7 @@ mod api;
 mod cli;
 mod config;
 mod imagesvc;
+mod leases;
 mod reaper;
 mod runs;
 mod seal;

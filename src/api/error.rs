@@ -21,6 +21,8 @@ pub enum ApiError {
         error: &'static str,
         message: String,
     },
+    /// A lease conflict: `busy`, `held` (who, until when) or `superseded`.
+    Lease(crate::leases::LeaseError, Option<String>),
     TooLarge(String),
     Unprocessable(String),
     ShuttingDown,
@@ -53,6 +55,7 @@ impl From<RunError> for ApiError {
                 error: "not_running",
                 message: e.to_string(),
             },
+            RunError::Lease { err, expires_at } => ApiError::Lease(err, expires_at),
             RunError::Unprocessable(m) => ApiError::Unprocessable(m),
             RunError::ShuttingDown => ApiError::ShuttingDown,
             RunError::Internal(m) => ApiError::Internal(m),
@@ -74,6 +77,8 @@ impl From<FileError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        use crate::leases::LeaseError;
+        let server = crate::SERVER_NAME.get().cloned().unwrap_or_default();
         let (status, error, message) = match self {
             ApiError::BadRequest { field, message } => (
                 StatusCode::BAD_REQUEST,
@@ -87,6 +92,26 @@ impl IntoResponse for ApiError {
             ),
             ApiError::NotFound(m) => (StatusCode::NOT_FOUND, "not_found", m),
             ApiError::Conflict { error, message } => (StatusCode::CONFLICT, error, message),
+            ApiError::Lease(err, expires_at) => {
+                let mut body = json!({"message": err.to_string(), "server": server});
+                match err {
+                    LeaseError::Busy => body["error"] = json!("busy"),
+                    LeaseError::Held {
+                        holder, generation, ..
+                    } => {
+                        body["error"] = json!("held");
+                        body["holder"] = json!(holder);
+                        body["generation"] = json!(generation);
+                        body["expiresAt"] = json!(expires_at);
+                    }
+                    LeaseError::Superseded { given, current } => {
+                        body["error"] = json!("superseded");
+                        body["given"] = json!(given);
+                        body["generation"] = json!(current);
+                    }
+                }
+                return (StatusCode::CONFLICT, axum::Json(body)).into_response();
+            }
             ApiError::TooLarge(m) => (StatusCode::PAYLOAD_TOO_LARGE, "too_large", m),
             ApiError::Unprocessable(m) => (StatusCode::UNPROCESSABLE_ENTITY, "unprocessable", m),
             ApiError::ShuttingDown => (
@@ -103,7 +128,6 @@ impl IntoResponse for ApiError {
                 )
             }
         };
-        let server = crate::SERVER_NAME.get().cloned().unwrap_or_default();
         (
             status,
             axum::Json(json!({"error": error, "message": message, "server": server})),

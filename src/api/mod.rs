@@ -3,6 +3,7 @@
 
 mod error;
 mod images;
+mod leases;
 mod openapi;
 mod routes;
 
@@ -60,6 +61,9 @@ pub fn router(st: Shared) -> Router {
                 .patch(routes::patch_run),
         )
         .route("/v1/runs/{id}/exec", post(routes::exec))
+        .route("/v1/runs/{id}/lease", post(leases::acquire))
+        .route("/v1/runs/{id}/lease/renew", post(leases::renew))
+        .route("/v1/runs/{id}/lease/release", post(leases::release))
         .route("/v1/runs/{id}/files", get(routes::get_work_root))
         .route(
             "/v1/runs/{id}/files/{*path}",

@@ -14,6 +14,9 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("delete", "/v1/runs/{id}"),
     ("patch", "/v1/runs/{id}"),
     ("post", "/v1/runs/{id}/exec"),
+    ("post", "/v1/runs/{id}/lease"),
+    ("post", "/v1/runs/{id}/lease/renew"),
+    ("post", "/v1/runs/{id}/lease/release"),
     ("get", "/v1/runs/{id}/files"),
     ("get", "/v1/runs/{id}/files/{path}"),
     ("put", "/v1/runs/{id}/files/{path}"),
@@ -33,6 +36,10 @@ pub fn document() -> Value {
     let run = json!({"$ref": "#/components/schemas/Run"});
     let ok = |d: &str, schema: Value| json!({"description": d, "content": {"application/json": {"schema": schema}}});
     let id = json!({"name": "id", "in": "path", "required": true, "schema": {"type": "string"}});
+    let lease = json!({"type": "object", "properties": {"server": {"type": "string"}, "lease": {"type": "object", "properties": {
+        "holder": {"type": "string"}, "generation": {"type": "integer"}, "expiresAt": {"type": "string", "format": "date-time"}}}}});
+    let conflict = json!({"description": "busy, held (holder, generation, expiresAt) or superseded (given, generation)",
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}});
     let path = json!({"name": "path", "in": "path", "required": true, "schema": {"type": "string"},
                       "description": "relative to /work"});
     json!({
@@ -103,13 +110,30 @@ pub fn document() -> Value {
                     "requestBody": {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Exec"}}}},
                     "responses": {"200": {"description": "events", "content": {"text/event-stream": {}, "application/json": {}}},
                                   "400": err(), "404": err(), "409": err()}}},
+            "/v1/runs/{id}/lease": {"parameters": [id.clone()],
+                "post": {"summary": "take the writable lease; every grant bumps the generation (the fencing token)",
+                    "requestBody": {"content": {"application/json": {"schema": {"type": "object", "required": ["owner", "ttlSec"],
+                        "properties": {"owner": {"type": "string"}, "ttlSec": {"type": "integer"}}}}}},
+                    "responses": {"200": ok("granted", lease.clone()), "400": err(), "404": err(), "409": conflict.clone()}}},
+            "/v1/runs/{id}/lease/renew": {"parameters": [id.clone()],
+                "post": {"summary": "extend the lease from now; needs the exact owner and generation",
+                    "requestBody": {"content": {"application/json": {"schema": {"type": "object", "required": ["owner", "generation", "ttlSec"],
+                        "properties": {"owner": {"type": "string"}, "generation": {"type": "integer"}, "ttlSec": {"type": "integer"}}}}}},
+                    "responses": {"200": ok("renewed", lease), "400": err(), "404": err(), "409": conflict.clone()}}},
+            "/v1/runs/{id}/lease/release": {"parameters": [id.clone()],
+                "post": {"summary": "give the lease up",
+                    "requestBody": {"content": {"application/json": {"schema": {"type": "object", "required": ["owner", "generation"],
+                        "properties": {"owner": {"type": "string"}, "generation": {"type": "integer"}}}}}},
+                    "responses": {"204": {"description": "released"}, "400": err(), "404": err(), "409": conflict}}},
             "/v1/runs/{id}/files": {"parameters": [id.clone()],
                 "get": {"summary": "list /work", "responses": {"200": ok("listing", json!({"type": "object"})), "404": err()}}},
             "/v1/runs/{id}/files/{path}": {"parameters": [id, path],
                 "get": {"summary": "read a file (bytes) or list a directory (JSON)",
                     "responses": {"200": {"description": "content"}, "400": err(), "404": err(), "413": err()}},
                 "put": {"summary": "write a file; parents created; owned by the run's user",
-                    "parameters": [{"name": "mode", "in": "query", "schema": {"type": "string"}}],
+                    "parameters": [{"name": "mode", "in": "query", "schema": {"type": "string"}},
+                                   {"name": "owner", "in": "query", "schema": {"type": "string"}},
+                                   {"name": "generation", "in": "query", "schema": {"type": "integer"}}],
                     "requestBody": {"content": {"application/octet-stream": {}}},
                     "responses": {"201": ok("written", json!({"type": "object"})), "400": err(), "404": err(), "413": err()}}},
             "/v1/templates": {"get": {"summary": "configured templates",

@@ -40,7 +40,7 @@ pub(super) fn parse<T: DeserializeOwned>(body: &Bytes) -> Result<T, ApiError> {
     })
 }
 
-fn check_id(id: &str) -> Result<(), ApiError> {
+pub(super) fn check_id(id: &str) -> Result<(), ApiError> {
     if ulid::Ulid::from_string(id).is_err() {
         return Err(ApiError::NotFound(format!("run {id} not found")));
     }
@@ -186,15 +186,36 @@ fn split_utf8(pending: &mut Vec<u8>) -> Vec<u8> {
     std::mem::replace(pending, rest)
 }
 
+/// Ends an in-flight operation: explicitly before the client hears the
+/// result (so a lease acquire right after is not `busy`), or on drop when
+/// the request is abandoned.
 struct OpGuard {
     runs: crate::runs::Runs,
     id: String,
+    armed: bool,
+}
+
+impl OpGuard {
+    fn new(runs: &crate::runs::Runs, id: &str) -> OpGuard {
+        OpGuard {
+            runs: runs.clone(),
+            id: id.to_string(),
+            armed: true,
+        }
+    }
+
+    async fn finish(mut self) {
+        self.armed = false;
+        self.runs.op_end(&self.id).await;
+    }
 }
 
 impl Drop for OpGuard {
     fn drop(&mut self) {
-        let (runs, id) = (self.runs.clone(), std::mem::take(&mut self.id));
-        tokio::spawn(async move { runs.op_end(&id).await });
+        if self.armed {
+            let (runs, id) = (self.runs.clone(), std::mem::take(&mut self.id));
+            tokio::spawn(async move { runs.op_end(&id).await });
+        }
     }
 }
 
@@ -207,30 +228,26 @@ pub async fn exec(
     check_id(&id)?;
     let b: ExecBody = parse(&body)?;
     let plan = b.plan()?;
-    let ticket = st.runs.exec_begin(&id).await?;
-    let guard = OpGuard {
-        runs: st.runs.clone(),
-        id: id.clone(),
-    };
+    let ticket = st.runs.exec_begin(&id, plan.credential.clone()).await?;
+    let guard = OpGuard::new(&st.runs, &id);
     let (tx, mut rx) = mpsc::channel::<ExecEvent>(64);
     let host = st.host.clone();
     tokio::spawn(async move {
-        let _guard = guard;
-        if let Err(e) = crate::runs::exec::run(&host, &ticket, plan, tx.clone()).await {
-            tracing::error!(run = %ticket.id, error = %e, "exec");
-            let _ = tx
-                .send(ExecEvent::Stderr(Bytes::from(format!(
-                    "sbx: exec failed: {e}\n"
-                ))))
-                .await;
-            let _ = tx
-                .send(ExecEvent::Exit(ExitInfo {
+        let info = match crate::runs::exec::run(&host, &ticket, plan, tx.clone()).await {
+            Ok(info) => info,
+            Err(e) => {
+                tracing::error!(run = %ticket.id, error = %e, "exec");
+                let msg = format!("sbx: exec failed: {e}\n");
+                let _ = tx.send(ExecEvent::Stderr(Bytes::from(msg))).await;
+                ExitInfo {
                     exit_code: 125,
                     timed_out: false,
                     duration_ms: 0,
-                }))
-                .await;
-        }
+                }
+            }
+        };
+        guard.finish().await;
+        let _ = tx.send(ExecEvent::Exit(info)).await;
     });
     let wants_json = headers
         .get(header::ACCEPT)
@@ -328,19 +345,22 @@ fn async_stream(
     tokio_stream::wrappers::ReceiverStream::new(erx)
 }
 
+/// `write`: `None` for a read; `Some(credential)` for a fenced write.
 async fn files_op<T: Send + 'static>(
     st: &Shared,
     id: &str,
+    write: Option<Option<crate::runs::Credential>>,
     f: impl FnOnce(crate::runs::FilesTicket) -> Result<T, files::FileError> + Send + 'static,
 ) -> Result<T, ApiError> {
     check_id(id)?;
-    let ticket = st.runs.files_begin(id).await?;
-    let _guard = OpGuard {
-        runs: st.runs.clone(),
-        id: id.to_string(),
-    };
-    tokio::task::spawn_blocking(move || f(ticket))
-        .await
+    let is_write = write.is_some();
+    let ticket = st.runs.files_begin(id, write).await?;
+    let guard = is_write.then(|| OpGuard::new(&st.runs, id));
+    let result = tokio::task::spawn_blocking(move || f(ticket)).await;
+    if let Some(g) = guard {
+        g.finish().await;
+    }
+    result
         .map_err(|e| ApiError::Internal(e.to_string()))?
         .map_err(ApiError::from)
 }
@@ -361,7 +381,7 @@ pub async fn get_work_root(
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     let max = st.max_file_bytes;
-    let c = files_op(&st, &id, move |t| files::read(&t.rootfs, "", max)).await?;
+    let c = files_op(&st, &id, None, move |t| files::read(&t.rootfs, "", max)).await?;
     Ok(content_response(&st, c))
 }
 
@@ -370,7 +390,7 @@ pub async fn get_file(
     Path((id, path)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
     let max = st.max_file_bytes;
-    let c = files_op(&st, &id, move |t| files::read(&t.rootfs, &path, max)).await?;
+    let c = files_op(&st, &id, None, move |t| files::read(&t.rootfs, &path, max)).await?;
     Ok(content_response(&st, c))
 }
 
@@ -393,6 +413,14 @@ pub async fn put_file(
             other => return Err(ApiError::bad(other, "unknown query parameter")),
         }
     }
+    let generation = match q.get("generation") {
+        Some(g) => Some(
+            g.parse::<u64>()
+                .map_err(|_| ApiError::bad("generation", "must be a number"))?,
+        ),
+        None => None,
+    };
+    let credential = crate::runs::model::credential(q.get("owner").cloned(), generation)?;
     if body.len() as u64 > st.max_file_bytes {
         return Err(ApiError::TooLarge(format!(
             "larger than the limit of {} bytes",
@@ -401,7 +429,7 @@ pub async fn put_file(
     }
     let size = body.len();
     let p = path.clone();
-    files_op(&st, &id, move |t| {
+    files_op(&st, &id, Some(credential), move |t| {
         files::write(&t.rootfs, &p, &body, mode, t.uid, t.gid)
     })
     .await?;

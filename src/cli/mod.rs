@@ -69,6 +69,11 @@ pub enum ClientCommand {
         env: Vec<String>,
         #[arg(long)]
         cwd: Option<String>,
+        /// Lease credential: owner (with --generation).
+        #[arg(long)]
+        owner: Option<String>,
+        #[arg(long)]
+        generation: Option<u64>,
         #[arg(required = true, trailing_var_arg = true)]
         cmd: Vec<String>,
     },
@@ -93,12 +98,51 @@ pub enum ClientCommand {
     /// Manage images.
     #[command(subcommand)]
     Image(ImageCommand),
+    /// Writable leases (the generation is the fencing token).
+    #[command(subcommand)]
+    Lease(LeaseCommand),
     /// Copy a file: `sbx cp LOCAL ID:PATH` or `sbx cp ID:PATH LOCAL` (PATH relative to /work).
     Cp {
         #[command(flatten)]
         conn: Conn,
         src: String,
         dst: String,
+    },
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum LeaseCommand {
+    /// Take the lease; prints the generation.
+    Acquire {
+        #[command(flatten)]
+        conn: Conn,
+        id: String,
+        #[arg(long)]
+        owner: String,
+        #[arg(long, default_value_t = 300)]
+        ttl: u64,
+    },
+    /// Extend the lease from now.
+    Renew {
+        #[command(flatten)]
+        conn: Conn,
+        id: String,
+        #[arg(long)]
+        owner: String,
+        #[arg(long)]
+        generation: u64,
+        #[arg(long, default_value_t = 300)]
+        ttl: u64,
+    },
+    /// Give the lease up.
+    Release {
+        #[command(flatten)]
+        conn: Conn,
+        id: String,
+        #[arg(long)]
+        owner: String,
+        #[arg(long)]
+        generation: u64,
     },
 }
 
@@ -256,6 +300,56 @@ fn exec_stream(c: &Client, id: &str, body: Value) -> anyhow::Result<i32> {
     bail!("the stream ended without an exit event")
 }
 
+fn lease_cmd(cmd: LeaseCommand) -> anyhow::Result<i32> {
+    let (conn, id, path, body) = match cmd {
+        LeaseCommand::Acquire {
+            conn,
+            id,
+            owner,
+            ttl,
+        } => (conn, id, "lease", json!({"owner": owner, "ttlSec": ttl})),
+        LeaseCommand::Renew {
+            conn,
+            id,
+            owner,
+            generation,
+            ttl,
+        } => (
+            conn,
+            id,
+            "lease/renew",
+            json!({"owner": owner, "generation": generation, "ttlSec": ttl}),
+        ),
+        LeaseCommand::Release {
+            conn,
+            id,
+            owner,
+            generation,
+        } => (
+            conn,
+            id,
+            "lease/release",
+            json!({"owner": owner, "generation": generation}),
+        ),
+    };
+    let c = Client::new(&conn)?;
+    let v = c.json(
+        c.req(reqwest::Method::POST, &format!("/v1/runs/{id}/{path}"))
+            .json(&body),
+    )?;
+    if let Some(l) = v.get("lease") {
+        println!(
+            "generation {} held by {} until {}",
+            l["generation"],
+            l["holder"].as_str().unwrap_or_default(),
+            l["expiresAt"].as_str().unwrap_or_default()
+        );
+    } else {
+        println!("released");
+    }
+    Ok(0)
+}
+
 fn human(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
 }
@@ -389,6 +483,7 @@ fn image_cmd(cmd: ImageCommand) -> anyhow::Result<i32> {
 pub fn run(cmd: ClientCommand) -> anyhow::Result<i32> {
     match cmd {
         ClientCommand::Image(c) => image_cmd(c),
+        ClientCommand::Lease(c) => lease_cmd(c),
         ClientCommand::Run {
             conn,
             image,
@@ -455,6 +550,8 @@ pub fn run(cmd: ClientCommand) -> anyhow::Result<i32> {
             timeout,
             env,
             cwd,
+            owner,
+            generation,
             cmd,
         } => {
             let c = Client::new(&conn)?;
@@ -467,6 +564,12 @@ pub fn run(cmd: ClientCommand) -> anyhow::Result<i32> {
             }
             if let Some(d) = cwd {
                 body["cwd"] = json!(d);
+            }
+            if let Some(o) = owner {
+                body["owner"] = json!(o);
+            }
+            if let Some(g) = generation {
+                body["generation"] = json!(g);
             }
             exec_stream(&c, &id, body)
         }

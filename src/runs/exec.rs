@@ -66,13 +66,13 @@ async fn pump(
     }
 }
 
-/// Runs the command; events go to `tx`, ending with exactly one `Exit`.
+/// Runs the command; output events go to `tx`; returns how it ended.
 pub async fn run(
     host: &Host,
     ticket: &ExecTicket,
     plan: ExecPlan,
     tx: mpsc::Sender<ExecEvent>,
-) -> std::io::Result<()> {
+) -> std::io::Result<ExitInfo> {
     let req = ExecRequest {
         init_pid: ticket.init_pid,
         init_start: ticket.init_start,
@@ -148,14 +148,11 @@ pub async fn run(
     };
     let (layout, cg) = (host.layout.clone(), ticket.cgroup.clone());
     tokio::task::spawn_blocking(move || sbx_runtime::cgroups::remove_if_empty(&layout, &cg));
-    let _ = tx
-        .send(ExecEvent::Exit(ExitInfo {
-            exit_code,
-            timed_out,
-            duration_ms: started.elapsed().as_millis() as u64,
-        }))
-        .await;
-    Ok(())
+    Ok(ExitInfo {
+        exit_code,
+        timed_out,
+        duration_ms: started.elapsed().as_millis() as u64,
+    })
 }
 
 #[cfg(test)]

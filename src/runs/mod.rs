@@ -28,6 +28,12 @@ pub enum RunError {
     NotRunning { id: String, status: &'static str },
     #[error("{0}")]
     Unprocessable(String),
+    #[error("{err}")]
+    Lease {
+        err: crate::leases::LeaseError,
+        /// RFC 3339 expiry of the lease in force, for `held`.
+        expires_at: Option<String>,
+    },
     #[error("daemon is shutting down")]
     ShuttingDown,
     #[error("{0}")]
@@ -55,6 +61,26 @@ pub struct FilesTicket {
     pub gid: u32,
 }
 
+/// A lease credential presented with a write: owner and generation.
+pub type Credential = (String, u64);
+
+#[derive(Debug, Clone)]
+pub enum LeaseOp {
+    Acquire {
+        owner: String,
+        ttl_secs: u64,
+    },
+    Renew {
+        owner: String,
+        generation: u64,
+        ttl_secs: u64,
+    },
+    Release {
+        owner: String,
+        generation: u64,
+    },
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct ListFilter {
     pub status: Option<Status>,
@@ -73,8 +99,21 @@ pub(crate) enum Cmd {
     Patch(String, u64, oneshot::Sender<Result<Value, RunError>>),
     Delete(String, bool, oneshot::Sender<Result<Value, RunError>>),
     Destroyed(String, bool, Option<String>),
-    ExecBegin(String, oneshot::Sender<Result<ExecTicket, RunError>>),
-    FilesBegin(String, oneshot::Sender<Result<FilesTicket, RunError>>),
+    ExecBegin(
+        String,
+        Option<Credential>,
+        oneshot::Sender<Result<ExecTicket, RunError>>,
+    ),
+    FilesBegin(
+        String,
+        Option<Option<Credential>>,
+        oneshot::Sender<Result<FilesTicket, RunError>>,
+    ),
+    Lease(
+        String,
+        LeaseOp,
+        oneshot::Sender<Result<Option<Value>, RunError>>,
+    ),
     OpEnd(String),
     Tick,
     ShimExited(String, u64),
@@ -116,7 +155,9 @@ struct Entry {
     rec: Record,
     env: Vec<(String, String)>,
     shim: Option<ShimState>,
+    /// Execs and file writes under way (acquire is `busy` while > 0).
     in_flight: u32,
+    lease: crate::leases::LeaseState,
 }
 
 pub fn now_ms() -> i64 {
@@ -167,7 +208,7 @@ impl Registry {
             "createdAt": rfc3339(r.created_ms),
             "expiresAt": rfc3339(r.expires_ms),
             "env": r.env_names,
-            "lease": Value::Null,
+            "lease": lease_view(e),
         });
         if let Some(t) = &r.template {
             v["template"] = json!(t);
@@ -191,7 +232,7 @@ impl Registry {
             return Ok(());
         };
         let rec = serde_json::to_value(&e.rec).map_err(|e| RunError::Internal(e.to_string()))?;
-        let mut record = json!({"rec": rec});
+        let mut record = json!({"rec": rec, "lease": e.lease});
         if let Some(s) = e.shim {
             record["shim"] = serde_json::to_value(s).unwrap_or(Value::Null);
         }
@@ -267,6 +308,57 @@ impl Registry {
         });
     }
 
+    fn lease_op(&mut self, id: &str, op: LeaseOp) -> Result<Option<Value>, RunError> {
+        use crate::leases::mono_now_ms;
+        let e = self
+            .runs
+            .get_mut(id)
+            .ok_or_else(|| RunError::NotFound(id.to_string()))?;
+        if e.rec.status != Status::Running {
+            return Err(RunError::NotRunning {
+                id: id.to_string(),
+                status: e.rec.status.as_str(),
+            });
+        }
+        let now = mono_now_ms();
+        let before = e.lease.clone();
+        let result = match &op {
+            LeaseOp::Acquire { owner, ttl_secs } => e
+                .lease
+                .acquire(owner, ttl_secs * 1000, now, e.in_flight)
+                .map(Some),
+            LeaseOp::Renew {
+                owner,
+                generation,
+                ttl_secs,
+            } => e
+                .lease
+                .renew(owner, *generation, ttl_secs * 1000, now)
+                .map(Some),
+            LeaseOp::Release { owner, generation } => {
+                e.lease.release(owner, *generation, now).map(|()| None)
+            }
+        };
+        let result = result.map_err(|err| lease_error(err, now));
+        let granted = result.as_ref().ok().cloned().flatten();
+        let view = lease_view(e);
+        if result.is_ok() {
+            let event = match &op {
+                LeaseOp::Acquire { owner, .. } => format!("lease granted to {owner}"),
+                LeaseOp::Renew { owner, .. } => format!("lease renewed by {owner}"),
+                LeaseOp::Release { owner, .. } => format!("lease released by {owner}"),
+            };
+            // The generation is the fencing token: on disk before anyone hears of it.
+            if let Err(err) = self.persist(id, None, &event) {
+                if let Some(e) = self.runs.get_mut(id) {
+                    e.lease = before;
+                }
+                return Err(err);
+            }
+        }
+        result.map(|_| granted.map(|_| view))
+    }
+
     fn handle(&mut self, cmd: Cmd) {
         match cmd {
             Cmd::Create(plan, reply) => {
@@ -302,6 +394,7 @@ impl Registry {
                         env: plan.env.clone(),
                         shim: None,
                         in_flight: 0,
+                        lease: Default::default(),
                     },
                 );
                 let sealed = self.sealer.seal(&env_json);
@@ -473,10 +566,15 @@ impl Registry {
                     }
                 }
             }
-            Cmd::ExecBegin(id, reply) => {
+            Cmd::ExecBegin(id, cred, reply) => {
                 let r = match self.runs.get_mut(&id) {
                     None => Err(RunError::NotFound(id)),
                     Some(e) => match (e.rec.status, e.shim) {
+                        (Status::Running, Some(_)) if fence(e, cred.as_ref()).is_err() => {
+                            Err(fence(e, cred.as_ref())
+                                .err()
+                                .unwrap_or(RunError::ShuttingDown))
+                        }
                         (Status::Running, Some(s)) => {
                             e.in_flight += 1;
                             let mut base_env = vec![
@@ -513,15 +611,23 @@ impl Registry {
                 };
                 let _ = reply.send(r);
             }
-            Cmd::FilesBegin(id, reply) => {
+            Cmd::FilesBegin(id, write, reply) => {
                 let r = match self.runs.get_mut(&id) {
                     None => Err(RunError::NotFound(id)),
                     Some(e) if e.rec.status == Status::Running => {
-                        e.in_flight += 1;
-                        Ok(FilesTicket {
-                            rootfs: self.host.paths(&id).rootfs(),
-                            uid: e.rec.uid,
-                            gid: e.rec.gid,
+                        let fenced = match &write {
+                            Some(cred) => fence(e, cred.as_ref()),
+                            None => Ok(()),
+                        };
+                        fenced.map(|()| {
+                            if write.is_some() {
+                                e.in_flight += 1;
+                            }
+                            FilesTicket {
+                                rootfs: self.host.paths(&id).rootfs(),
+                                uid: e.rec.uid,
+                                gid: e.rec.gid,
+                            }
                         })
                     }
                     Some(e) => Err(RunError::NotRunning {
@@ -529,6 +635,10 @@ impl Registry {
                         status: e.rec.status.as_str(),
                     }),
                 };
+                let _ = reply.send(r);
+            }
+            Cmd::Lease(id, op, reply) => {
+                let r = self.lease_op(&id, op);
                 let _ = reply.send(r);
             }
             Cmd::OpEnd(id) => {
@@ -630,6 +740,7 @@ impl Registry {
                 Vec::new()
             };
             let was_live = rec.status.is_live();
+            let lease = serde_json::from_value(s.record["lease"].clone()).unwrap_or_default();
             self.runs.insert(
                 id.clone(),
                 Entry {
@@ -637,6 +748,7 @@ impl Registry {
                     env,
                     shim,
                     in_flight: 0,
+                    lease,
                 },
             );
             if live {
@@ -690,6 +802,40 @@ impl Registry {
         }
         Ok(())
     }
+}
+
+/// `{holder, generation, expiresAt}` of the lease in force, or null.
+fn lease_view(e: &Entry) -> Value {
+    let now_mono = crate::leases::mono_now_ms();
+    let mut st = e.lease.clone();
+    match st.active(now_mono) {
+        Some(l) if e.rec.status == Status::Running => json!({
+            "holder": l.holder,
+            "generation": l.generation,
+            "expiresAt": rfc3339(now_ms() + (l.expires_mono_ms.saturating_sub(now_mono)) as i64),
+        }),
+        _ => Value::Null,
+    }
+}
+
+fn lease_error(err: crate::leases::LeaseError, now_mono: u64) -> RunError {
+    let expires_at = match &err {
+        crate::leases::LeaseError::Held {
+            expires_mono_ms, ..
+        } => Some(rfc3339(
+            now_ms() + expires_mono_ms.saturating_sub(now_mono) as i64,
+        )),
+        _ => None,
+    };
+    RunError::Lease { err, expires_at }
+}
+
+/// Fencing for a write (exec or file PUT).
+fn fence(e: &mut Entry, cred: Option<&Credential>) -> Result<(), RunError> {
+    let now = crate::leases::mono_now_ms();
+    e.lease
+        .check_write(cred.map(|(o, g)| (o.as_str(), *g)), now)
+        .map_err(|err| lease_error(err, now))
 }
 
 /// Later entries win; order of first appearance is kept.
@@ -778,11 +924,28 @@ impl Runs {
             .await?
             .map(|_| ())
     }
-    pub async fn exec_begin(&self, id: &str) -> Result<ExecTicket, RunError> {
-        self.ask(|r| Cmd::ExecBegin(id.to_string(), r)).await?
+    /// Admits an exec (fenced by the lease) and counts it in flight.
+    pub async fn exec_begin(
+        &self,
+        id: &str,
+        cred: Option<Credential>,
+    ) -> Result<ExecTicket, RunError> {
+        self.ask(|r| Cmd::ExecBegin(id.to_string(), cred, r))
+            .await?
     }
-    pub async fn files_begin(&self, id: &str) -> Result<FilesTicket, RunError> {
-        self.ask(|r| Cmd::FilesBegin(id.to_string(), r)).await?
+    /// `write: None` for reads (open to all, not counted); `Some(cred)` for
+    /// a write, fenced by the lease and counted in flight.
+    pub async fn files_begin(
+        &self,
+        id: &str,
+        write: Option<Option<Credential>>,
+    ) -> Result<FilesTicket, RunError> {
+        self.ask(|r| Cmd::FilesBegin(id.to_string(), write, r))
+            .await?
+    }
+    /// A lease operation; `Ok(Some(lease))` for grants and renewals.
+    pub async fn lease(&self, id: &str, op: LeaseOp) -> Result<Option<Value>, RunError> {
+        self.ask(|r| Cmd::Lease(id.to_string(), op, r)).await?
     }
     pub async fn op_end(&self, id: &str) {
         let _ = self.tx.send(Cmd::OpEnd(id.to_string())).await;

@@ -319,12 +319,8 @@ pub struct ExecBody {
     pub timeout_sec: Option<u64>,
     pub env: Option<BTreeMap<String, String>>,
     pub stdin: Option<String>,
-    /// Lease credential. Accepted now so clients can send it; it is checked
-    /// once writable leases exist (until then no lease can be held, and the
-    /// pre-lease path lets every exec through).
-    #[allow(dead_code)]
+    /// Lease credential (both or neither).
     pub owner: Option<String>,
-    #[allow(dead_code)]
     pub generation: Option<u64>,
 }
 
@@ -335,6 +331,28 @@ pub struct ExecPlan {
     pub timeout_secs: u64,
     pub env: Vec<(String, String)>,
     pub stdin: Vec<u8>,
+    pub credential: Option<(String, u64)>,
+}
+
+/// A lease credential from its two halves: both or neither.
+pub fn credential(
+    owner: Option<String>,
+    generation: Option<u64>,
+) -> Result<Option<(String, u64)>, FieldError> {
+    match (owner, generation) {
+        (None, None) => Ok(None),
+        (Some(o), Some(g)) => Ok(Some((validate_owner("owner", &o)?, g))),
+        (Some(_), None) => Err(field_err("generation", "required with owner")),
+        (None, Some(_)) => Err(field_err("owner", "required with generation")),
+    }
+}
+
+/// A lease owner: 1 to 256 printable characters.
+pub fn validate_owner(field: &str, o: &str) -> Result<String, FieldError> {
+    if o.is_empty() || o.len() > 256 || o.chars().any(|c| c.is_control()) {
+        return Err(field_err(field, "must be 1 to 256 printable characters"));
+    }
+    Ok(o.to_string())
 }
 
 impl ExecBody {
@@ -364,7 +382,9 @@ impl ExecBody {
             ));
         }
         let env = validate_env("env", &self.env.unwrap_or_default())?;
+        let credential = credential(self.owner, self.generation)?;
         Ok(ExecPlan {
+            credential,
             argv,
             cwd,
             timeout_secs,
