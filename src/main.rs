@@ -4,6 +4,7 @@
 mod api;
 mod cli;
 mod config;
+mod egress;
 mod imagesvc;
 mod leases;
 mod reaper;

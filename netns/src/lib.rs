@@ -4,6 +4,8 @@
 
 #![allow(unsafe_code)]
 
+pub mod ipam;
+
 use std::fs::File;
 use std::os::fd::AsRawFd;
 
