@@ -2,3 +2,4 @@
 //! the per-run HTTP proxy.
 
 pub mod allowlist;
+pub mod proxy;
