@@ -57,6 +57,8 @@ pub struct FileConfig {
     pub server_name: Option<String>,
     pub runtime: Option<String>,
     pub egress_allow: Option<String>,
+    pub subnet: Option<String>,
+    pub proxy_ports: Option<String>,
     pub cache_root: Option<PathBuf>,
     pub cache_max_gb: Option<u64>,
     pub insecure_registry: Option<Vec<String>>,
@@ -94,8 +96,12 @@ pub struct ServeFlags {
     /// native (default), runsc, or a path to an OCI runtime.
     #[arg(long)]
     pub runtime: Option<String>,
+    /// Deployment-wide egress allowlist (comma-separated entries).
     #[arg(long)]
     pub egress_allow: Option<String>,
+    /// Sandbox subnet, e.g. 10.88.0.0/20 (default: derived from the state dir).
+    #[arg(long)]
+    pub subnet: Option<String>,
     #[arg(long)]
     pub cache_root: Option<PathBuf>,
     #[arg(long)]
@@ -114,7 +120,13 @@ pub struct Config {
     pub listen: SocketAddr,
     pub state_dir: PathBuf,
     pub server_name: String,
-    pub egress_allow: Vec<String>,
+    /// The deployment allowlist (`--egress-allow`, `SBX_EGRESS_ALLOW`).
+    pub egress_allow: Vec<crate::egress::allowlist::Entry>,
+    /// Sandbox subnet (split between the allowlist and open bridges);
+    /// derived from the state dir when unset.
+    pub subnet: Option<sbx_netns::ipam::Subnet>,
+    /// Port range of the per-run proxies; derived when unset.
+    pub proxy_ports: Option<(u16, u16)>,
     pub cache_root: Option<PathBuf>,
     pub cache_max_gb: u64,
     pub insecure_registries: Vec<String>,
@@ -254,11 +266,51 @@ impl Config {
             .or_else(|| env(vars, "SBX_EGRESS_ALLOW"))
             .or(file.egress_allow)
             .unwrap_or_default();
-        let egress_allow: Vec<String> = egress_allow_s
+        let egress_items: Vec<&str> = egress_allow_s
             .split([',', ' '])
             .filter(|s| !s.is_empty())
-            .map(str::to_string)
             .collect();
+        let egress_allow = crate::egress::allowlist::parse_list(&egress_items)
+            .map_err(|e| invalid("egress-allow", format!("malformed entry {e}")))?;
+        let subnet_s = flags
+            .subnet
+            .clone()
+            .or_else(|| env(vars, "SBX_SUBNET"))
+            .or(file.subnet);
+        let subnet = match subnet_s {
+            Some(s) => Some(
+                sbx_netns::ipam::Subnet::parse(&s).map_err(|e| invalid("subnet", e.to_string()))?,
+            ),
+            None => None,
+        };
+        if let Some(s) = subnet {
+            if s.prefix > 24 {
+                return Err(invalid(
+                    "subnet",
+                    "at most /24 (it is split between the two bridges)",
+                ));
+            }
+        }
+        let proxy_ports = match env(vars, "SBX_PROXY_PORTS").or(file.proxy_ports) {
+            Some(p) => {
+                let bad = || {
+                    invalid(
+                        "proxy-ports",
+                        format!("{p:?} is not LOW-HIGH (1024..65535)"),
+                    )
+                };
+                let (lo, hi) = p.split_once('-').ok_or_else(bad)?;
+                let (lo, hi): (u16, u16) = (
+                    lo.parse().map_err(|_| bad())?,
+                    hi.parse().map_err(|_| bad())?,
+                );
+                if lo < 1024 || hi < lo {
+                    return Err(bad());
+                }
+                Some((lo, hi))
+            }
+            None => None,
+        };
         let cache_root = flags
             .cache_root
             .clone()
@@ -322,6 +374,8 @@ impl Config {
             state_dir,
             server_name,
             egress_allow,
+            subnet,
+            proxy_ports,
             cache_root,
             cache_max_gb,
             insecure_registries: insecure,
@@ -384,6 +438,35 @@ mod tests {
         assert_eq!(err.to_string(), "SBX_REAPER_TICK_SECS: cannot parse \"x\"");
         let err = toml::from_str::<FileConfig>("bogus = 1").expect_err("unknown key");
         assert!(err.to_string().contains("bogus"));
+    }
+
+    #[test]
+    fn a_malformed_deployment_allowlist_refuses_to_start_naming_the_entry() {
+        let err = Config::resolve(
+            FileConfig::default(),
+            &ServeFlags::default(),
+            &vars(&[("SBX_EGRESS_ALLOW", "ok.example.com,.com")]),
+        )
+        .expect_err("must refuse");
+        assert!(
+            err.to_string()
+                .starts_with("egress-allow: malformed entry \".com\""),
+            "{err}"
+        );
+        let c = Config::resolve(
+            FileConfig::default(),
+            &ServeFlags::default(),
+            &vars(&[("SBX_EGRESS_ALLOW", "a.example.com, b.example.com:8443")]),
+        )
+        .expect("valid");
+        assert_eq!(c.egress_allow.len(), 2);
+        let err = Config::resolve(
+            FileConfig::default(),
+            &ServeFlags::default(),
+            &vars(&[("SBX_SUBNET", "10.0.0.0/27")]),
+        )
+        .expect_err("small");
+        assert!(err.to_string().starts_with("subnet:"), "{err}");
     }
 
     #[test]

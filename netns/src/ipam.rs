@@ -31,7 +31,10 @@ impl Subnet {
             return Err(IpamError::TooSmall(prefix));
         }
         let mask = u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0);
-        Ok(Subnet { network: Ipv4Addr::from(u32::from(addr) & mask), prefix })
+        Ok(Subnet {
+            network: Ipv4Addr::from(u32::from(addr) & mask),
+            prefix,
+        })
     }
 
     fn size(&self) -> u32 {
@@ -59,7 +62,16 @@ impl Subnet {
         }
         let p = self.prefix + 1;
         let second = Ipv4Addr::from(u32::from(self.network) + (self.size() / 2));
-        Ok((Subnet { network: self.network, prefix: p }, Subnet { network: second, prefix: p }))
+        Ok((
+            Subnet {
+                network: self.network,
+                prefix: p,
+            },
+            Subnet {
+                network: second,
+                prefix: p,
+            },
+        ))
     }
 }
 
@@ -108,7 +120,10 @@ mod tests {
             assert_ne!(ip, s.broadcast());
             used.insert(ip);
         }
-        assert_eq!(allocate(s, &used), Err(IpamError::Exhausted("10.88.0.0/28".into())));
+        assert_eq!(
+            allocate(s, &used),
+            Err(IpamError::Exhausted("10.88.0.0/28".into()))
+        );
     }
 
     #[test]
@@ -116,9 +131,17 @@ mod tests {
         let s = Subnet::parse("10.88.7.9/16").expect("subnet");
         assert_eq!(s.to_string(), "10.88.0.0/16");
         let (a, b) = s.halves().expect("halves");
-        assert_eq!((a.to_string(), b.to_string()), ("10.88.0.0/17".into(), "10.88.128.0/17".into()));
-        assert!(b.contains(Ipv4Addr::new(10, 88, 200, 1)) && !a.contains(Ipv4Addr::new(10, 88, 200, 1)));
-        assert!(matches!(Subnet::parse("10.0.0.0/30"), Err(IpamError::TooSmall(30))));
+        assert_eq!(
+            (a.to_string(), b.to_string()),
+            ("10.88.0.0/17".into(), "10.88.128.0/17".into())
+        );
+        assert!(
+            b.contains(Ipv4Addr::new(10, 88, 200, 1)) && !a.contains(Ipv4Addr::new(10, 88, 200, 1))
+        );
+        assert!(matches!(
+            Subnet::parse("10.0.0.0/30"),
+            Err(IpamError::TooSmall(30))
+        ));
         assert!(matches!(Subnet::parse("nope"), Err(IpamError::BadCidr(_))));
     }
 }

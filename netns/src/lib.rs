@@ -4,7 +4,10 @@
 
 #![allow(unsafe_code)]
 
+pub mod firewall;
 pub mod ipam;
+pub mod links;
+pub mod names;
 
 use std::fs::File;
 use std::os::fd::AsRawFd;

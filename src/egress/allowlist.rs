@@ -31,7 +31,10 @@ pub struct Entry {
 }
 
 fn bad(entry: &str, reason: &str) -> EntryError {
-    EntryError { entry: entry.to_string(), reason: reason.to_string() }
+    EntryError {
+        entry: entry.to_string(),
+        reason: reason.to_string(),
+    }
 }
 
 fn valid_hostname(h: &str) -> bool {
@@ -41,7 +44,8 @@ fn valid_hostname(h: &str) -> bool {
                 && l.len() <= 63
                 && !l.starts_with('-')
                 && !l.ends_with('-')
-                && l.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+                && l.bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
         })
 }
 
@@ -52,37 +56,60 @@ impl Entry {
             return Err(bad(raw, "empty entry"));
         }
         if s.contains("://") || s.contains('/') || s.contains('*') || s.contains('@') {
-            return Err(bad(raw, "an entry is host, .suffix or host:port — no scheme, path or wildcard"));
+            return Err(bad(
+                raw,
+                "an entry is host, .suffix or host:port — no scheme, path or wildcard",
+            ));
         }
         let lower = s.to_ascii_lowercase();
         // [v6]:port or [v6]
         if let Some(rest) = lower.strip_prefix('[') {
             let (addr, after) = rest.split_once(']').ok_or_else(|| bad(raw, "unclosed ["))?;
-            let ip: std::net::Ipv6Addr = addr.parse().map_err(|_| bad(raw, "not an IPv6 literal"))?;
+            let ip: std::net::Ipv6Addr =
+                addr.parse().map_err(|_| bad(raw, "not an IPv6 literal"))?;
             let port = match after {
                 "" => None,
-                p => Some(parse_port(raw, p.strip_prefix(':').ok_or_else(|| bad(raw, "junk after ]"))?)?),
+                p => Some(parse_port(
+                    raw,
+                    p.strip_prefix(':')
+                        .ok_or_else(|| bad(raw, "junk after ]"))?,
+                )?),
             };
-            return Ok(Entry { target: Target::Ip(IpAddr::V6(ip)), port });
+            return Ok(Entry {
+                target: Target::Ip(IpAddr::V6(ip)),
+                port,
+            });
         }
         let (host, port) = match lower.rsplit_once(':') {
             Some((h, p)) => (h.to_string(), Some(parse_port(raw, p)?)),
             None => (lower.clone(), None),
         };
         if let Ok(ip) = host.parse::<std::net::Ipv4Addr>() {
-            return Ok(Entry { target: Target::Ip(IpAddr::V4(ip)), port });
+            return Ok(Entry {
+                target: Target::Ip(IpAddr::V4(ip)),
+                port,
+            });
         }
         if let Some(suffix) = host.strip_prefix('.') {
             if port.is_some() {
-                return Err(bad(raw, "a .suffix entry takes no port; name host:port instead"));
+                return Err(bad(
+                    raw,
+                    "a .suffix entry takes no port; name host:port instead",
+                ));
             }
             if !valid_hostname(suffix) {
                 return Err(bad(raw, "not a domain suffix"));
             }
             if suffix.split('.').count() < 2 {
-                return Err(bad(raw, "a .suffix needs at least two labels (.com would admit a whole TLD)"));
+                return Err(bad(
+                    raw,
+                    "a .suffix needs at least two labels (.com would admit a whole TLD)",
+                ));
             }
-            return Ok(Entry { target: Target::Suffix(suffix.to_string()), port: None });
+            return Ok(Entry {
+                target: Target::Suffix(suffix.to_string()),
+                port: None,
+            });
         }
         if !valid_hostname(&host) {
             return Err(bad(raw, "not a host name"));
@@ -90,10 +117,17 @@ impl Entry {
         if host.split('.').count() < 2 {
             return Err(bad(raw, "a host needs at least two labels"));
         }
-        if host.split('.').next_back().is_some_and(|tld| tld.bytes().all(|b| b.is_ascii_digit())) {
+        if host
+            .split('.')
+            .next_back()
+            .is_some_and(|tld| tld.bytes().all(|b| b.is_ascii_digit()))
+        {
             return Err(bad(raw, "not a host name or an IPv4 literal"));
         }
-        Ok(Entry { target: Target::Host(host), port })
+        Ok(Entry {
+            target: Target::Host(host),
+            port,
+        })
     }
 
     /// Whether this entry admits `host:port` (host lowercase, IPs in
@@ -106,8 +140,19 @@ impl Entry {
         port_ok
             && match &self.target {
                 Target::Host(h) => h == host,
-                Target::Suffix(s) => host == s || host.strip_suffix(s.as_str()).is_some_and(|p| p.ends_with('.')),
-                Target::Ip(ip) => host.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>().ok() == Some(*ip),
+                Target::Suffix(s) => {
+                    host == s
+                        || host
+                            .strip_suffix(s.as_str())
+                            .is_some_and(|p| p.ends_with('.'))
+                }
+                Target::Ip(ip) => {
+                    host.trim_start_matches('[')
+                        .trim_end_matches(']')
+                        .parse::<IpAddr>()
+                        .ok()
+                        == Some(*ip)
+                }
             }
     }
 
@@ -293,7 +338,10 @@ pub const BUILTIN: &[&str] = &[
 
 /// The built-in list, parsed.
 pub fn builtin() -> Vec<Entry> {
-    BUILTIN.iter().filter_map(|s| Entry::parse(s).ok()).collect()
+    BUILTIN
+        .iter()
+        .filter_map(|s| Entry::parse(s).ok())
+        .collect()
 }
 
 #[cfg(test)]
@@ -306,7 +354,9 @@ mod tests {
         assert!(e.admits("rubygems.org", 443) && e.admits("rubygems.org", 80));
         assert!(!e.admits("rubygems.org", 8080) && !e.admits("evil.rubygems.org", 443));
         let s = Entry::parse(".hex.pm").expect("suffix");
-        assert!(s.admits("hex.pm", 443) && s.admits("repo.hex.pm", 443) && s.admits("a.b.hex.pm", 80));
+        assert!(
+            s.admits("hex.pm", 443) && s.admits("repo.hex.pm", 443) && s.admits("a.b.hex.pm", 80)
+        );
         assert!(!s.admits("xhex.pm", 443) && !s.admits("hex.pm.evil.com", 443));
         let p = Entry::parse("forge.example.com:49152").expect("port");
         assert!(p.admits("forge.example.com", 49152) && !p.admits("forge.example.com", 443));
@@ -343,10 +393,25 @@ mod tests {
     fn the_builtin_list_parses_and_leaves_out_the_refusals() {
         assert_eq!(builtin().len(), BUILTIN.len());
         let admits = |h: &str| builtin().iter().any(|e| e.admits(h, 443));
-        for h in ["registry.npmjs.org", "files.pythonhosted.org", "static.crates.io", "us.archive.ubuntu.com", "cdn03.quay.io"] {
+        for h in [
+            "registry.npmjs.org",
+            "files.pythonhosted.org",
+            "static.crates.io",
+            "us.archive.ubuntu.com",
+            "cdn03.quay.io",
+        ] {
             assert!(admits(h), "{h}");
         }
-        for h in ["storage.googleapis.com", "registry.k8s.io", "aka.ms", "crates.io", "hex.pm", "www.nuget.org", "packagist.org", "upload.pypi.org"] {
+        for h in [
+            "storage.googleapis.com",
+            "registry.k8s.io",
+            "aka.ms",
+            "crates.io",
+            "hex.pm",
+            "www.nuget.org",
+            "packagist.org",
+            "upload.pypi.org",
+        ] {
             assert!(!admits(h), "{h} must be absent");
         }
     }

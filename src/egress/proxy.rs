@@ -38,19 +38,33 @@ pub struct Policy {
 /// Why a destination was refused.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Refusal {
-    NotAllowed { host: String, port: u16 },
-    Address { host: String, ip: IpAddr, why: &'static str },
-    IpLiteral { host: String, port: u16 },
+    NotAllowed {
+        host: String,
+        port: u16,
+    },
+    Address {
+        host: String,
+        ip: IpAddr,
+        why: &'static str,
+    },
+    IpLiteral {
+        host: String,
+        port: u16,
+    },
 }
 
 fn in_net(ip: IpAddr, net: IpAddr, prefix: u8) -> bool {
     match (ip, net) {
         (IpAddr::V4(a), IpAddr::V4(n)) => {
-            let m = u32::MAX.checked_shl(32 - u32::from(prefix.min(32))).unwrap_or(0);
+            let m = u32::MAX
+                .checked_shl(32 - u32::from(prefix.min(32)))
+                .unwrap_or(0);
             u32::from(a) & m == u32::from(n) & m
         }
         (IpAddr::V6(a), IpAddr::V6(n)) => {
-            let m = u128::MAX.checked_shl(128 - u32::from(prefix.min(128))).unwrap_or(0);
+            let m = u128::MAX
+                .checked_shl(128 - u32::from(prefix.min(128)))
+                .unwrap_or(0);
             u128::from(a) & m == u128::from(n) & m
         }
         _ => false,
@@ -62,7 +76,9 @@ fn v4(a: u8, b: u8, c: u8, d: u8) -> IpAddr {
 }
 
 fn v6(s: &str) -> IpAddr {
-    s.parse::<Ipv6Addr>().map(IpAddr::V6).unwrap_or(IpAddr::V6(Ipv6Addr::UNSPECIFIED))
+    s.parse::<Ipv6Addr>()
+        .map(IpAddr::V6)
+        .unwrap_or(IpAddr::V6(Ipv6Addr::UNSPECIFIED))
 }
 
 /// Always refused, whatever the list says.
@@ -83,7 +99,9 @@ fn never(ip: IpAddr) -> Option<&'static str> {
         (v6("2001::"), 32, "Teredo (embeds IPv4)"),
         (v6("::"), 96, "IPv4-compatible IPv6"),
     ];
-    nets.iter().find(|(n, p, _)| in_net(ip, *n, *p)).map(|(_, _, why)| *why)
+    nets.iter()
+        .find(|(n, p, _)| in_net(ip, *n, *p))
+        .map(|(_, _, why)| *why)
 }
 
 /// Refused unless an entry names the literal.
@@ -96,16 +114,26 @@ fn private(ip: IpAddr) -> Option<&'static str> {
         (v4(192, 0, 0, 0), 24, "IETF protocol assignments"),
         (v6("fc00::"), 7, "unique local (fc00::/7)"),
     ];
-    nets.iter().find(|(n, p, _)| in_net(ip, *n, *p)).map(|(_, _, why)| *why)
+    nets.iter()
+        .find(|(n, p, _)| in_net(ip, *n, *p))
+        .map(|(_, _, why)| *why)
 }
 
 impl Policy {
     /// The name-level decision, before any resolution.
     pub fn admit_name(&self, host: &str, port: u16) -> Result<(), Refusal> {
         let host = host.to_ascii_lowercase();
-        if let Ok(ip) = host.trim_start_matches('[').trim_end_matches(']').parse::<IpAddr>() {
+        if let Ok(ip) = host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse::<IpAddr>()
+        {
             // An IP literal passes only when an entry names that literal.
-            if !self.entries.iter().any(|e| e.names_ip(ip) && e.admits(&host, port)) {
+            if !self
+                .entries
+                .iter()
+                .any(|e| e.names_ip(ip) && e.admits(&host, port))
+            {
                 return Err(Refusal::IpLiteral { host, port });
             }
             return Ok(());
@@ -119,7 +147,13 @@ impl Policy {
 
     /// The address-level decision for one resolved address.
     pub fn admit_ip(&self, host: &str, ip: IpAddr) -> Result<(), Refusal> {
-        let refuse = |why| Err(Refusal::Address { host: host.to_string(), ip, why });
+        let refuse = |why| {
+            Err(Refusal::Address {
+                host: host.to_string(),
+                ip,
+                why,
+            })
+        };
         if let Some(why) = never(ip) {
             return refuse(why);
         }
@@ -210,9 +244,16 @@ pub fn parse_head(raw: &[u8]) -> Result<Head, &'static str> {
         if host.is_empty() {
             return Err("empty host");
         }
-        return Ok(Head { connect: true, host: host.to_ascii_lowercase(), port, forward: Vec::new() });
+        return Ok(Head {
+            connect: true,
+            host: host.to_ascii_lowercase(),
+            port,
+            forward: Vec::new(),
+        });
     }
-    let rest = target.strip_prefix("http://").ok_or("only CONNECT and absolute http:// URIs are proxied")?;
+    let rest = target
+        .strip_prefix("http://")
+        .ok_or("only CONNECT and absolute http:// URIs are proxied")?;
     let (auth, path) = match rest.find('/') {
         Some(i) => (&rest[..i], &rest[i..]),
         None => (rest, "/"),
@@ -227,7 +268,12 @@ pub fn parse_head(raw: &[u8]) -> Result<Head, &'static str> {
         if line.is_empty() {
             break;
         }
-        let name = line.split(':').next().unwrap_or("").trim().to_ascii_lowercase();
+        let name = line
+            .split(':')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_ascii_lowercase();
         if name.starts_with("proxy-") || name == "connection" || name == "keep-alive" {
             continue;
         }
@@ -235,7 +281,12 @@ pub fn parse_head(raw: &[u8]) -> Result<Head, &'static str> {
         forward.push_str("\r\n");
     }
     forward.push_str("Connection: close\r\n\r\n");
-    Ok(Head { connect: false, host: host.to_ascii_lowercase(), port, forward: forward.into_bytes() })
+    Ok(Head {
+        connect: false,
+        host: host.to_ascii_lowercase(),
+        port,
+        forward: forward.into_bytes(),
+    })
 }
 
 async fn read_head(s: &mut TcpStream) -> std::io::Result<(Vec<u8>, Vec<u8>)> {
@@ -244,7 +295,10 @@ async fn read_head(s: &mut TcpStream) -> std::io::Result<(Vec<u8>, Vec<u8>)> {
     loop {
         let n = s.read(&mut chunk).await?;
         if n == 0 {
-            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "closed before the head ended"));
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "closed before the head ended",
+            ));
         }
         buf.extend_from_slice(&chunk[..n]);
         if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
@@ -302,23 +356,38 @@ async fn handle(mut client: TcpStream, policy: Arc<Policy>) {
         Ok(h) => h,
         Err(why) => {
             tracing::info!(run, decision = "bad_request", why, "egress");
-            let _ = client.write_all(&response("400 Bad Request", &format!("sbx egress: {why}\n"))).await;
+            let _ = client
+                .write_all(&response(
+                    "400 Bad Request",
+                    &format!("sbx egress: {why}\n"),
+                ))
+                .await;
             return;
         }
     };
     let (host, port) = (head.host.clone(), head.port);
     if let Err(r) = policy.admit_name(&host, port) {
         tracing::info!(run, %host, port, decision = "deny", reason = ?r, "egress");
-        let _ = client.write_all(&response("403 Forbidden", &r.body(run))).await;
+        let _ = client
+            .write_all(&response("403 Forbidden", &r.body(run)))
+            .await;
         return;
     }
     // Resolve here and dial only what was checked.
-    let lookup = host.trim_start_matches('[').trim_end_matches(']').to_string();
+    let lookup = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_string();
     let addrs: Vec<SocketAddr> = match tokio::net::lookup_host((lookup.as_str(), port)).await {
         Ok(a) => a.collect(),
         Err(e) => {
             tracing::info!(run, %host, port, decision = "unresolved", error = %e, "egress");
-            let _ = client.write_all(&response("502 Bad Gateway", &format!("sbx egress: cannot resolve {host}: {e}\n"))).await;
+            let _ = client
+                .write_all(&response(
+                    "502 Bad Gateway",
+                    &format!("sbx egress: cannot resolve {host}: {e}\n"),
+                ))
+                .await;
             return;
         }
     };
@@ -331,9 +400,14 @@ async fn handle(mut client: TcpStream, policy: Arc<Policy>) {
         }
     }
     if allowed.is_empty() {
-        let r = refusal.unwrap_or(Refusal::NotAllowed { host: host.clone(), port });
+        let r = refusal.unwrap_or(Refusal::NotAllowed {
+            host: host.clone(),
+            port,
+        });
         tracing::info!(run, %host, port, decision = "deny", reason = ?r, "egress");
-        let _ = client.write_all(&response("403 Forbidden", &r.body(run))).await;
+        let _ = client
+            .write_all(&response("403 Forbidden", &r.body(run)))
+            .await;
         return;
     }
     let mut upstream = None;
@@ -345,12 +419,21 @@ async fn handle(mut client: TcpStream, policy: Arc<Policy>) {
     }
     let Some((mut up, addr)) = upstream else {
         tracing::info!(run, %host, port, decision = "unreachable", "egress");
-        let _ = client.write_all(&response("502 Bad Gateway", &format!("sbx egress: cannot connect to {host}:{port}\n"))).await;
+        let _ = client
+            .write_all(&response(
+                "502 Bad Gateway",
+                &format!("sbx egress: cannot connect to {host}:{port}\n"),
+            ))
+            .await;
         return;
     };
     tracing::info!(run, %host, port, %addr, decision = "allow", connect = head.connect, "egress");
     if head.connect {
-        if client.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n").await.is_err() {
+        if client
+            .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            .await
+            .is_err()
+        {
             return;
         }
     } else if up.write_all(&head.forward).await.is_err() {
@@ -375,7 +458,12 @@ pub async fn serve(listener: TcpListener, policy: Arc<Policy>) {
         }
         let Ok(permit) = tunnels.clone().try_acquire_owned() else {
             tracing::info!(run = %policy.run_id, decision = "deny", "too many tunnels");
-            let _ = conn.write_all(&response("429 Too Many Requests", "sbx egress: too many open tunnels\n")).await;
+            let _ = conn
+                .write_all(&response(
+                    "429 Too Many Requests",
+                    "sbx egress: too many open tunnels\n",
+                ))
+                .await;
             continue;
         };
         let p = policy.clone();
@@ -407,10 +495,19 @@ mod tests {
         let p = policy(&[]);
         assert_eq!(p.admit_name("allowed.test", 443), Ok(()));
         assert_eq!(p.admit_name("ALLOWED.test", 80), Ok(()));
-        assert!(matches!(p.admit_name("allowed.test", 22), Err(Refusal::NotAllowed { .. })));
+        assert!(matches!(
+            p.admit_name("allowed.test", 22),
+            Err(Refusal::NotAllowed { .. })
+        ));
         assert_eq!(p.admit_name("forge.example.com", 8443), Ok(()));
-        assert!(matches!(p.admit_name("denied.test", 443), Err(Refusal::NotAllowed { .. })));
-        assert!(matches!(p.admit_name("203.0.113.5", 443), Err(Refusal::IpLiteral { .. })));
+        assert!(matches!(
+            p.admit_name("denied.test", 443),
+            Err(Refusal::NotAllowed { .. })
+        ));
+        assert!(matches!(
+            p.admit_name("203.0.113.5", 443),
+            Err(Refusal::IpLiteral { .. })
+        ));
         let p = policy(&["203.0.113.5"]);
         assert_eq!(p.admit_name("203.0.113.5", 443), Ok(()));
     }
@@ -421,11 +518,11 @@ mod tests {
         for (ip, refused) in [
             ("127.0.0.1", true),
             ("169.254.169.254", true),
-            ("10.88.0.3", true),       // another run
-            ("192.0.2.1", true),       // this host
-            ("10.1.2.3", true),        // private, not named
-            ("10.9.9.9", false),       // private, named
-            ("203.0.113.7", false),    // public
+            ("10.88.0.3", true),    // another run
+            ("192.0.2.1", true),    // this host
+            ("10.1.2.3", true),     // private, not named
+            ("10.9.9.9", false),    // private, named
+            ("203.0.113.7", false), // public
             ("::ffff:127.0.0.1", true),
             ("64:ff9b::a00:1", true),
             ("2002:a00:1::", true),
@@ -441,21 +538,42 @@ mod tests {
 
     #[test]
     fn denial_names_the_entry_and_the_deployment_variable() {
-        let body = Refusal::NotAllowed { host: "example.com".into(), port: 8443 }.body("01R");
-        assert!(body.contains("\"egressAllow\": [\"example.com:8443\"]"), "{body}");
+        let body = Refusal::NotAllowed {
+            host: "example.com".into(),
+            port: 8443,
+        }
+        .body("01R");
+        assert!(
+            body.contains("\"egressAllow\": [\"example.com:8443\"]"),
+            "{body}"
+        );
         assert!(body.contains("SBX_EGRESS_ALLOW=example.com:8443"), "{body}");
-        let body = Refusal::NotAllowed { host: "example.com".into(), port: 443 }.body("01R");
-        assert!(body.contains("[\"example.com\"]") && body.contains("run 01R"), "{body}");
+        let body = Refusal::NotAllowed {
+            host: "example.com".into(),
+            port: 443,
+        }
+        .body("01R");
+        assert!(
+            body.contains("[\"example.com\"]") && body.contains("run 01R"),
+            "{body}"
+        );
     }
 
     #[test]
     fn heads_parse_and_http_is_rewritten_to_origin_form() {
-        let h = parse_head(b"CONNECT allowed.test:443 HTTP/1.1\r\nHost: allowed.test:443\r\n\r\n").expect("connect");
-        assert_eq!((h.connect, h.host.as_str(), h.port), (true, "allowed.test", 443));
+        let h = parse_head(b"CONNECT allowed.test:443 HTTP/1.1\r\nHost: allowed.test:443\r\n\r\n")
+            .expect("connect");
+        assert_eq!(
+            (h.connect, h.host.as_str(), h.port),
+            (true, "allowed.test", 443)
+        );
         let h = parse_head(b"CONNECT [fd00::1]:22 HTTP/1.1\r\n\r\n").expect("v6");
         assert_eq!((h.host.as_str(), h.port), ("fd00::1", 22));
         let h = parse_head(b"GET http://user@allowed.test/x?y=1 HTTP/1.1\r\nHost: allowed.test\r\nProxy-Authorization: x\r\nConnection: keep-alive\r\nAccept: */*\r\n\r\n").expect("get");
-        assert_eq!((h.connect, h.host.as_str(), h.port), (false, "allowed.test", 80));
+        assert_eq!(
+            (h.connect, h.host.as_str(), h.port),
+            (false, "allowed.test", 80)
+        );
         assert_eq!(
             String::from_utf8(h.forward).expect("utf8"),
             "GET /x?y=1 HTTP/1.1\r\nHost: allowed.test\r\nAccept: */*\r\nConnection: close\r\n\r\n"

@@ -247,6 +247,117 @@ pub fn write(
     result
 }
 
+/// Opens (creating as needed) directory `rel` of a run's root: no
+/// component may be a symlink, so an image cannot point the daemon at a
+/// host directory. Created or not, the final directory gets `mode` and,
+/// when given, `owner`.
+pub fn ensure_dir(
+    rootfs: &Path,
+    rel: &str,
+    mode: u32,
+    owner: Option<(u32, u32)>,
+) -> Result<OwnedFd, FileError> {
+    let comps = components(rel)?;
+    let mut dir = open_root(rootfs)?;
+    let last = comps.len();
+    for (i, c) in comps.iter().enumerate() {
+        let open = |d: &OwnedFd| {
+            openat2(
+                d,
+                c.as_str(),
+                OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                Mode::empty(),
+                beneath(),
+            )
+        };
+        dir = match open(&dir) {
+            Ok(fd) => fd,
+            Err(rustix::io::Errno::NOENT) => {
+                let d = reopen(&dir, OFlags::RDONLY | OFlags::DIRECTORY)?;
+                match rustix::fs::mkdirat(&d, c.as_str(), Mode::from_raw_mode(0o755)) {
+                    Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+                    Err(e) => return Err(e.into()),
+                }
+                open(&dir)?
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if i + 1 == last {
+            let d = reopen(&dir, OFlags::RDONLY | OFlags::DIRECTORY)?;
+            if let Some((uid, gid)) = owner {
+                rustix::fs::fchown(
+                    &d,
+                    Some(rustix::fs::Uid::from_raw(uid)),
+                    Some(rustix::fs::Gid::from_raw(gid)),
+                )?;
+            }
+            rustix::fs::fchmod(&d, Mode::from_raw_mode(mode))?;
+        }
+    }
+    Ok(dir)
+}
+
+/// Replaces file `rel` of a run's root (root-owned) without following any
+/// symlink an image put there.
+pub fn write_root_file(rootfs: &Path, rel: &str, data: &[u8], mode: u32) -> Result<(), FileError> {
+    let comps = components(rel)?;
+    let Some((name, parents)) = comps.split_last() else {
+        return Err(FileError::BadPath("a file name is required".into()));
+    };
+    let dir = ensure_dir_keep(rootfs, &parents.join("/"))?;
+    let d = reopen(&dir, OFlags::RDONLY | OFlags::DIRECTORY)?;
+    let tmp = format!(".{name}.sbx-{:016x}", rand::random::<u64>());
+    let fd = rustix::fs::openat(
+        &d,
+        tmp.as_str(),
+        OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::from_raw_mode(mode),
+    )?;
+    let mut f = std::fs::File::from(fd);
+    let written = f.write_all(data).and_then(|()| {
+        rustix::fs::fchmod(&f, Mode::from_raw_mode(mode)).map_err(std::io::Error::from)
+    });
+    if let Err(e) = written {
+        let _ = rustix::fs::unlinkat(&d, tmp.as_str(), AtFlags::empty());
+        return Err(e.into());
+    }
+    // rename replaces a symlink at `name` itself, never its target.
+    rustix::fs::renameat(&d, tmp.as_str(), &d, name.as_str()).map_err(|e| {
+        let _ = rustix::fs::unlinkat(&d, tmp.as_str(), AtFlags::empty());
+        FileError::from(e)
+    })
+}
+
+/// Like [`ensure_dir`] but leaves an existing directory's mode alone.
+fn ensure_dir_keep(rootfs: &Path, rel: &str) -> Result<OwnedFd, FileError> {
+    let comps = components(rel)?;
+    let mut dir = open_root(rootfs)?;
+    for c in &comps {
+        let open = |d: &OwnedFd| {
+            openat2(
+                d,
+                c.as_str(),
+                OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
+                Mode::empty(),
+                beneath(),
+            )
+        };
+        dir = match open(&dir) {
+            Ok(fd) => fd,
+            Err(rustix::io::Errno::NOENT) => {
+                let d = reopen(&dir, OFlags::RDONLY | OFlags::DIRECTORY)?;
+                match rustix::fs::mkdirat(&d, c.as_str(), Mode::from_raw_mode(0o755)) {
+                    Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+                    Err(e) => return Err(e.into()),
+                }
+                open(&dir)?
+            }
+            Err(e) => return Err(e.into()),
+        };
+    }
+    Ok(dir)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -316,6 +427,29 @@ mod tests {
             "mine"
         );
         assert!(matches!(components("a/../b"), Err(FileError::BadPath(_))));
+    }
+
+    #[test]
+    fn root_helpers_never_follow_an_image_symlink() {
+        let t = root();
+        let outside = tempfile::tempdir().expect("outside");
+        std::os::unix::fs::symlink(outside.path(), t.path().join("work/../lnk")).expect("symlink");
+        std::fs::remove_dir(t.path().join("work")).expect("rm work");
+        std::os::unix::fs::symlink(outside.path(), t.path().join("work")).expect("work symlink");
+        assert!(ensure_dir(t.path(), "work", 0o755, None).is_err());
+        assert!(write_root_file(t.path(), "lnk/x", b"x", 0o644).is_err());
+        assert_eq!(std::fs::read_dir(outside.path()).expect("dir").count(), 0);
+        // A symlinked file is replaced, not written through.
+        std::os::unix::fs::symlink(outside.path().join("target"), t.path().join("etc/hostname"))
+            .expect("file link");
+        write_root_file(t.path(), "etc/hostname", b"run\n", 0o644).expect("write");
+        assert!(!outside.path().join("target").exists());
+        assert_eq!(
+            std::fs::read(t.path().join("etc/hostname")).expect("read"),
+            b"run\n"
+        );
+        ensure_dir(t.path(), "srv/app", 0o750, None).expect("nested");
+        assert!(t.path().join("srv/app").is_dir());
     }
 
     #[test]

@@ -415,7 +415,15 @@ impl Registry {
                         sandbox::create(&host, &id, &plan, root)
                             .await
                             .map(Box::new)
-                            .map_err(|e| (500u16, format!("{:#}", anyhow::Error::from(e))))
+                            .map_err(|e| {
+                                // An unusable image is the client's problem, the rest ours.
+                                let code = if matches!(e, sandbox::SandboxError::Image(_)) {
+                                    422u16
+                                } else {
+                                    500
+                                };
+                                (code, format!("{:#}", anyhow::Error::from(e)))
+                            })
                     }
                     .await;
                     let _ = tx.send(Cmd::Created(id, result, reply)).await;

@@ -26,6 +26,8 @@ pub enum SandboxError {
     },
     #[error("write bundle")]
     Bundle(#[source] std::io::Error),
+    #[error("the image's root cannot be used: {0}")]
+    Image(String),
     #[error("spawn shim")]
     Spawn(#[source] std::io::Error),
     #[error("shim failed: {0}")]
@@ -81,14 +83,22 @@ pub enum Root {
     },
 }
 
-fn chown_work(rootfs: &Path, workdir: &str, uid: u32, gid: u32) -> std::io::Result<()> {
+/// `/work` (and the workdir) owned by the run's user, made without
+/// following any symlink an image may have put on the way.
+fn chown_work(
+    rootfs: &Path,
+    workdir: &str,
+    uid: u32,
+    gid: u32,
+) -> Result<(), super::files::FileError> {
     for dir in ["/work", workdir] {
-        let p = rootfs.join(dir.trim_start_matches('/'));
-        std::fs::create_dir_all(&p)?;
-        std::os::unix::fs::chown(&p, Some(uid), Some(gid))?;
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755))?;
+        super::files::ensure_dir(rootfs, dir, 0o755, Some((uid, gid)))?;
     }
     Ok(())
+}
+
+fn image_err(e: super::files::FileError) -> SandboxError {
+    SandboxError::Image(e.to_string())
 }
 
 /// Lays out the run directory and its root; blocking.
@@ -126,13 +136,25 @@ fn prepare(host: &Host, id: &str, plan: &CreatePlan, root: &Root) -> Result<RunS
                 sbx_images::overlay::mount(layers, &paths.upper(), &paths.overlay_work(), &rootfs)
                     .map_err(SandboxError::Mount)?;
             tracing::debug!(run = id, layers = layers.len(), ?api, "overlay mounted");
-            for d in ["proc", "dev", "sys", "tmp", ".sbx"] {
-                std::fs::create_dir_all(rootfs.join(d)).map_err(err)?;
+            for (d, mode) in [
+                ("proc", 0o555),
+                ("dev", 0o755),
+                ("sys", 0o555),
+                ("tmp", 0o1777),
+                (".sbx", 0o755),
+            ] {
+                super::files::ensure_dir(&rootfs, d, mode, None).map_err(image_err)?;
             }
-            std::fs::write(rootfs.join("etc/hostname"), format!("{id}\n")).ok();
+            super::files::write_root_file(
+                &rootfs,
+                "etc/hostname",
+                format!("{id}\n").as_bytes(),
+                0o644,
+            )
+            .map_err(image_err)?;
         }
     }
-    chown_work(&rootfs, &plan.workdir, plan.uid, plan.gid).map_err(err)?;
+    chown_work(&rootfs, &plan.workdir, plan.uid, plan.gid).map_err(image_err)?;
     let mut env = vec!["HOME=/work".to_string(), format!("HOSTNAME={id}")];
     env.push(format!("PATH={}", spec::DEFAULT_PATH));
     Ok(RunSpec {

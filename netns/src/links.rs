@@ -1,0 +1,336 @@
+//! Links and addresses over rtnetlink: the daemon's bridges, a veth per
+//! networked run (host end on the bridge with port isolation, run end moved
+//! into the run's network namespace and configured from inside it).
+
+use std::net::{IpAddr, Ipv4Addr};
+
+use futures_util::TryStreamExt;
+use rtnetlink::packet_route::link::{LinkAttribute, LinkMessage};
+use rtnetlink::{Handle, LinkBridge, LinkBridgePort, LinkUnspec, LinkVeth, RouteMessageBuilder};
+
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    #[error("netlink connection")]
+    Connect(#[source] std::io::Error),
+    #[error("{op} {name}: {message}")]
+    Netlink {
+        op: &'static str,
+        name: String,
+        message: String,
+    },
+    #[error("link {0} not found")]
+    Missing(String),
+    #[error("enter the network namespace of pid {pid}")]
+    Enter {
+        pid: u32,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("set {path}")]
+    Sysctl {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn nl(op: &'static str, name: &str) -> impl FnOnce(rtnetlink::Error) -> LinkError {
+    let name = name.to_string();
+    move |e| LinkError::Netlink {
+        op,
+        name,
+        message: e.to_string(),
+    }
+}
+
+fn is_exists(e: &rtnetlink::Error) -> bool {
+    matches!(e, rtnetlink::Error::NetlinkError(m) if m.raw_code() == -libc::EEXIST)
+}
+
+fn is_missing(e: &rtnetlink::Error) -> bool {
+    matches!(e, rtnetlink::Error::NetlinkError(m) if m.raw_code() == -libc::ENODEV || m.raw_code() == -libc::ENOENT)
+}
+
+/// Writes a sysctl of the calling thread's network namespace; a missing
+/// file (no IPv6 in the kernel) is not an error.
+pub fn sysctl(path: &str, value: &str) -> Result<(), LinkError> {
+    match std::fs::write(path, value) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(LinkError::Sysctl {
+            path: path.to_string(),
+            source,
+        }),
+    }
+}
+
+/// A netlink handle in the daemon's network namespace.
+#[derive(Clone)]
+pub struct Links {
+    handle: Handle,
+}
+
+fn link_name(m: &LinkMessage) -> Option<String> {
+    m.attributes.iter().find_map(|a| match a {
+        LinkAttribute::IfName(n) => Some(n.clone()),
+        _ => None,
+    })
+}
+
+impl Links {
+    /// Opens a connection; must be called inside a tokio runtime.
+    pub fn connect() -> Result<Links, LinkError> {
+        let (conn, handle, _) = rtnetlink::new_connection().map_err(LinkError::Connect)?;
+        tokio::spawn(conn);
+        Ok(Links { handle })
+    }
+
+    pub async fn index(&self, name: &str) -> Result<Option<u32>, LinkError> {
+        let mut links = self
+            .handle
+            .link()
+            .get()
+            .match_name(name.to_string())
+            .execute();
+        match links.try_next().await {
+            Ok(Some(m)) => Ok(Some(m.header.index)),
+            Ok(None) => Ok(None),
+            Err(e) if is_missing(&e) => Ok(None),
+            Err(e) => Err(nl("look up", name)(e)),
+        }
+    }
+
+    /// Every link whose name starts with `prefix`.
+    pub async fn names_with_prefix(&self, prefix: &str) -> Result<Vec<String>, LinkError> {
+        let mut out = Vec::new();
+        let mut links = self.handle.link().get().execute();
+        while let Some(m) = links.try_next().await.map_err(nl("list links", prefix))? {
+            if let Some(n) = link_name(&m).filter(|n| n.starts_with(prefix)) {
+                out.push(n);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Creates the bridge if needed, with `gateway/prefix`, IPv6 off, up.
+    pub async fn ensure_bridge(
+        &self,
+        name: &str,
+        gateway: Ipv4Addr,
+        prefix: u8,
+    ) -> Result<u32, LinkError> {
+        if self.index(name).await?.is_none() {
+            match self
+                .handle
+                .link()
+                .add(LinkBridge::new(name).build())
+                .execute()
+                .await
+            {
+                Ok(()) => {}
+                Err(e) if is_exists(&e) => {}
+                Err(e) => return Err(nl("create bridge", name)(e)),
+            }
+        }
+        let index = self
+            .index(name)
+            .await?
+            .ok_or_else(|| LinkError::Missing(name.to_string()))?;
+        sysctl(&format!("/proc/sys/net/ipv6/conf/{name}/disable_ipv6"), "1")?;
+        match self
+            .handle
+            .address()
+            .add(index, IpAddr::V4(gateway), prefix)
+            .execute()
+            .await
+        {
+            Ok(()) => {}
+            Err(e) if is_exists(&e) => {}
+            Err(e) => return Err(nl("address bridge", name)(e)),
+        }
+        self.handle
+            .link()
+            .set(LinkUnspec::new_with_index(index).up().build())
+            .execute()
+            .await
+            .map_err(nl("bring up", name))?;
+        Ok(index)
+    }
+
+    /// Deletes a link; a missing one is fine.
+    pub async fn delete(&self, name: &str) -> Result<(), LinkError> {
+        let Some(index) = self.index(name).await? else {
+            return Ok(());
+        };
+        match self.handle.link().del(index).execute().await {
+            Ok(()) => Ok(()),
+            Err(e) if is_missing(&e) => Ok(()),
+            Err(e) => Err(nl("delete", name)(e)),
+        }
+    }
+
+    /// A veth pair: `host` on `bridge` (isolated port, up, no IPv6), `peer`
+    /// moved into the network namespace of `pid`.
+    pub async fn attach(
+        &self,
+        bridge: u32,
+        host: &str,
+        peer: &str,
+        pid: u32,
+    ) -> Result<(), LinkError> {
+        self.handle
+            .link()
+            .add(LinkVeth::new(host, peer).build())
+            .execute()
+            .await
+            .map_err(nl("create veth", host))?;
+        let result = async {
+            let index = self
+                .index(host)
+                .await?
+                .ok_or_else(|| LinkError::Missing(host.to_string()))?;
+            sysctl(&format!("/proc/sys/net/ipv6/conf/{host}/disable_ipv6"), "1")?;
+            self.handle
+                .link()
+                .set(
+                    LinkUnspec::new_with_index(index)
+                        .controller(bridge)
+                        .up()
+                        .build(),
+                )
+                .execute()
+                .await
+                .map_err(nl("attach to bridge", host))?;
+            // Port isolation must go through set_port: set() accepts the
+            // attribute and silently ignores it.
+            self.handle
+                .link()
+                .set_port(LinkBridgePort::new(index).isolated(true).build())
+                .execute()
+                .await
+                .map_err(nl("isolate port", host))?;
+            self.handle
+                .link()
+                .set(LinkUnspec::new_with_name(peer).setns_by_pid(pid).build())
+                .execute()
+                .await
+                .map_err(nl("move into the run", peer))?;
+            Ok(())
+        }
+        .await;
+        if result.is_err() {
+            let _ = self.delete(host).await;
+        }
+        result
+    }
+
+    /// Whether the bridge port `name` is isolated (for checks and tests).
+    pub async fn port_isolated(&self, name: &str) -> Result<bool, LinkError> {
+        use rtnetlink::packet_route::link::{InfoBridgePort, InfoPortData, LinkInfo};
+        let mut links = self
+            .handle
+            .link()
+            .get()
+            .match_name(name.to_string())
+            .execute();
+        let m = links
+            .try_next()
+            .await
+            .map_err(nl("look up", name))?
+            .ok_or_else(|| LinkError::Missing(name.to_string()))?;
+        Ok(m.attributes.iter().any(|a| match a {
+            LinkAttribute::LinkInfo(infos) => infos.iter().any(|i| match i {
+                LinkInfo::PortData(InfoPortData::BridgePort(p)) => p
+                    .iter()
+                    .any(|x| matches!(x, InfoBridgePort::Isolated(true))),
+                _ => false,
+            }),
+            _ => false,
+        }))
+    }
+}
+
+/// Configures the run's end from inside its network namespace: IPv6 and
+/// router advertisements off, renamed `eth0`, address, up, and a default
+/// route when `gateway` is given. Blocking: it runs on its own thread, the
+/// only one whose namespace changes.
+pub fn configure_inside(
+    pid: u32,
+    peer: &str,
+    ip: Ipv4Addr,
+    prefix: u8,
+    gateway: Option<Ipv4Addr>,
+) -> Result<(), LinkError> {
+    let peer = peer.to_string();
+    let worker = std::thread::spawn(move || -> Result<(), LinkError> {
+        let ns = std::fs::File::open(format!("/proc/{pid}/ns/net"))
+            .map_err(|source| LinkError::Enter { pid, source })?;
+        nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET).map_err(|e| {
+            LinkError::Enter {
+                pid,
+                source: e.into(),
+            }
+        })?;
+        for (path, value) in [
+            ("/proc/sys/net/ipv6/conf/all/disable_ipv6", "1"),
+            ("/proc/sys/net/ipv6/conf/default/disable_ipv6", "1"),
+            ("/proc/sys/net/ipv6/conf/all/accept_ra", "0"),
+            ("/proc/sys/net/ipv6/conf/default/accept_ra", "0"),
+        ] {
+            sysctl(path, value)?;
+        }
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(LinkError::Connect)?;
+        rt.block_on(async {
+            let links = Links::connect()?;
+            let index = links
+                .index(&peer)
+                .await?
+                .ok_or_else(|| LinkError::Missing(peer.clone()))?;
+            links
+                .handle
+                .link()
+                .set(
+                    LinkUnspec::new_with_index(index)
+                        .name("eth0".to_string())
+                        .build(),
+                )
+                .execute()
+                .await
+                .map_err(nl("rename", &peer))?;
+            links
+                .handle
+                .address()
+                .add(index, IpAddr::V4(ip), prefix)
+                .execute()
+                .await
+                .map_err(nl("address", "eth0"))?;
+            links
+                .handle
+                .link()
+                .set(LinkUnspec::new_with_index(index).up().build())
+                .execute()
+                .await
+                .map_err(nl("bring up", "eth0"))?;
+            if let Some(gw) = gateway {
+                let route = RouteMessageBuilder::<Ipv4Addr>::new()
+                    .gateway(gw)
+                    .output_interface(index)
+                    .build();
+                links
+                    .handle
+                    .route()
+                    .add(route)
+                    .execute()
+                    .await
+                    .map_err(nl("default route", "eth0"))?;
+            }
+            Ok(())
+        })
+    });
+    worker
+        .join()
+        .unwrap_or_else(|_| Err(LinkError::Missing("configuration thread panicked".into())))
+}

@@ -1,0 +1,98 @@
+//! Host-level names a daemon creates, derived from its key (a hash of its
+//! state dir) and the run id, so two daemons never collide and everything
+//! of a daemon can be found again after a crash. Pure.
+
+/// The network tiers that have links.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    Allowlist,
+    Open,
+}
+
+/// FNV-1a, 64 bit: a stable short hash for interface names.
+pub fn fnv(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Names {
+    /// 8 hex characters.
+    pub key: String,
+}
+
+impl Names {
+    pub fn new(key: &str) -> Names {
+        Names {
+            key: key
+                .chars()
+                .filter(char::is_ascii_hexdigit)
+                .take(8)
+                .collect(),
+        }
+    }
+
+    pub fn bridge(&self, tier: Tier) -> String {
+        match tier {
+            Tier::Allowlist => format!("sbxa{}", self.key),
+            Tier::Open => format!("sbxo{}", self.key),
+        }
+    }
+
+    fn run_hex(&self, run_id: &str) -> String {
+        format!(
+            "{:010x}",
+            fnv(&format!("{}/{run_id}", self.key)) & 0xff_ffff_ffff
+        )
+    }
+
+    /// The host end of a run's veth (≤ 15 characters).
+    pub fn veth(&self, run_id: &str) -> String {
+        format!("vsbx{}", self.run_hex(run_id))
+    }
+
+    /// The run end's name until it is renamed eth0 inside the run.
+    pub fn peer(&self, run_id: &str) -> String {
+        format!("psbx{}", self.run_hex(run_id))
+    }
+
+    /// The daemon's inet table (input, forward, NAT).
+    pub fn table(&self) -> String {
+        format!("sbx-{}", self.key)
+    }
+
+    /// A run's bridge-family table (anti-spoofing on its port).
+    pub fn run_table(&self, run_id: &str) -> String {
+        format!("sbxr-{}-{}", self.key, self.run_hex(run_id))
+    }
+
+    pub fn run_table_prefix(&self) -> String {
+        format!("sbxr-{}-", self.key)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_fit_ifnamsiz_and_differ_per_daemon_and_run() {
+        let a = Names::new("1a2b3c4d");
+        let b = Names::new("deadbeef");
+        let run = "01JZ0000000000000000000000";
+        for n in [
+            a.bridge(Tier::Allowlist),
+            a.bridge(Tier::Open),
+            a.veth(run),
+            a.peer(run),
+        ] {
+            assert!(n.len() <= 15, "{n}");
+        }
+        assert_ne!(a.veth(run), b.veth(run));
+        assert_ne!(a.veth(run), a.veth("01JZ0000000000000000000001"));
+        assert!(a.run_table(run).starts_with(&a.run_table_prefix()));
+        assert_eq!(a.bridge(Tier::Allowlist), "sbxa1a2b3c4d");
+    }
+}
