@@ -7,6 +7,7 @@ mod config;
 mod egress;
 mod imagesvc;
 mod leases;
+mod network;
 mod reaper;
 mod runs;
 mod seal;
@@ -67,6 +68,7 @@ fn main() {
                     tracing_subscriber::EnvFilter::try_from_env("SBX_LOG")
                         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
                 )
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
                 .with_writer(std::io::stderr)
                 .init();
             match serve::serve(flags) {

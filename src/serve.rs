@@ -83,7 +83,21 @@ async fn run(cfg: Config, state_dir: std::path::PathBuf) -> anyhow::Result<()> {
         tracing::info!(cache_root = %root.display(), max_gb = cfg.cache_max_gb, "warm repo cache configured; not available in this build");
     }
     let images = Arc::new(crate::imagesvc::Images::new(&cfg, &state_dir)?);
-    let runs = Runs::start(host.clone(), cfg.server_name.clone(), images.clone())?;
+    let key = host.cgroup_parent.trim_start_matches("/sbx-").to_string();
+    let net = match crate::network::Network::new(
+        &key,
+        cfg.subnet,
+        cfg.proxy_ports,
+        cfg.egress_allow.clone(),
+    ) {
+        Ok(n) => Ok(Arc::new(n)),
+        Err(e) => {
+            let why = format!("{:#}", anyhow::Error::from(e));
+            tracing::error!(error = %why, "network tiers unavailable; only network none works");
+            Err(why)
+        }
+    };
+    let runs = Runs::start(host.clone(), cfg.server_name.clone(), images.clone(), net)?;
     match images.gc().await {
         Ok(gone) if !gone.is_empty() => {
             tracing::info!(layers = gone.len(), "removed unreferenced layers")

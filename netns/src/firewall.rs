@@ -206,7 +206,7 @@ pub fn apply_run(table_name: &str, veth: &str, ip: Ipv4Addr) -> Result<(), Firew
     iif(&mut rule, &v);
     rule.add_expr(&nft_expr!(meta proto));
     rule.add_expr(&nft_expr!(cmp == eth_arp));
-    rule.add_expr(&nft_expr!(payload_raw nh 112, 32));
+    rule.add_expr(&nft_expr!(payload_raw nh 14, 4));
     rule.add_expr(&nft_expr!(cmp != ip));
     rule.add_expr(&nft_expr!(verdict drop));
     batch.add(&rule, MsgType::Add);
@@ -230,6 +230,16 @@ pub fn delete_table(name: &str, family: ProtoFamily) -> Result<(), FirewallError
     batch.add(&table, MsgType::Add);
     batch.add(&table, MsgType::Del);
     send(&batch.finalize(), "delete a table")
+}
+
+/// Deletes a run's bridge table if it exists.
+pub fn delete_run_table(name: &str) -> Result<(), FirewallError> {
+    delete_table(name, ProtoFamily::Bridge)
+}
+
+/// Deletes the daemon's inet table if it exists.
+pub fn delete_daemon_table(name: &str) -> Result<(), FirewallError> {
+    delete_table(name, ProtoFamily::Inet)
 }
 
 /// Names of every nftables table (all families).

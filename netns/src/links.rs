@@ -112,6 +112,24 @@ impl Links {
         Ok(out)
     }
 
+    /// Names of the links enslaved to bridge `bridge`.
+    pub async fn ports_of(&self, bridge: u32) -> Result<Vec<String>, LinkError> {
+        let mut out = Vec::new();
+        let mut links = self.handle.link().get().execute();
+        while let Some(m) = links.try_next().await.map_err(nl("list links", "ports"))? {
+            let on_bridge = m
+                .attributes
+                .iter()
+                .any(|a| matches!(a, LinkAttribute::Controller(i) if *i == bridge));
+            if on_bridge {
+                if let Some(n) = link_name(&m) {
+                    out.push(n);
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Creates the bridge if needed, with `gateway/prefix`, IPv6 off, up.
     pub async fn ensure_bridge(
         &self,
@@ -276,6 +294,8 @@ pub fn configure_inside(
             ("/proc/sys/net/ipv6/conf/default/disable_ipv6", "1"),
             ("/proc/sys/net/ipv6/conf/all/accept_ra", "0"),
             ("/proc/sys/net/ipv6/conf/default/accept_ra", "0"),
+            // Unprivileged ICMP echo sockets: ping works without CAP_NET_RAW.
+            ("/proc/sys/net/ipv4/ping_group_range", "0 2147483647"),
         ] {
             sysctl(path, value)?;
         }

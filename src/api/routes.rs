@@ -78,12 +78,6 @@ pub async fn create_run(State(st): State<Shared>, body: Bytes) -> Result<Respons
         ));
     }
     let plan = req.plan(&st.templates)?;
-    if plan.network != "none" {
-        return Err(ApiError::Unprocessable(format!(
-            "network {}: only \"none\" is available in this daemon yet",
-            plan.network
-        )));
-    }
     let v = st.runs.create(plan).await?;
     Ok((StatusCode::CREATED, Json(v)).into_response())
 }

@@ -117,6 +117,7 @@ pub(crate) enum Cmd {
     OpEnd(String),
     Tick,
     ShimExited(String, u64),
+    ProxyStarted(String, tokio::task::JoinHandle<()>),
     Shutdown(bool, oneshot::Sender<()>),
 }
 
@@ -149,6 +150,9 @@ struct Record {
     /// The image's own environment (PATH and friends), under the run's.
     #[serde(default)]
     image_env: Vec<(String, String)>,
+    /// Address, tier and proxy port of a networked run.
+    #[serde(default)]
+    net: Option<crate::network::RunNet>,
 }
 
 struct Entry {
@@ -158,6 +162,8 @@ struct Entry {
     /// Execs and file writes under way (acquire is `busy` while > 0).
     in_flight: u32,
     lease: crate::leases::LeaseState,
+    /// The run's egress proxy task (allowlist tier).
+    proxy: Option<tokio::task::JoinHandle<()>>,
 }
 
 pub fn now_ms() -> i64 {
@@ -185,6 +191,8 @@ struct Registry {
     runs: HashMap<String, Entry>,
     tx: mpsc::Sender<Cmd>,
     images: Arc<crate::imagesvc::Images>,
+    /// The network tiers, or why they are unavailable.
+    net: Result<Arc<crate::network::Network>, String>,
     shutting_down: bool,
 }
 
@@ -212,6 +220,12 @@ impl Registry {
         });
         if let Some(t) = &r.template {
             v["template"] = json!(t);
+        }
+        if let Some(n) = &r.net {
+            v["address"] = json!(n.ip.to_string());
+            if !n.egress_allow.is_empty() {
+                v["egressAllow"] = json!(n.egress_allow);
+            }
         }
         if let Some(ms) = r.ended_ms {
             v["endedAt"] = json!(rfc3339(ms));
@@ -269,16 +283,27 @@ impl Registry {
     }
 
     fn spawn_destroy(
-        &self,
+        &mut self,
         id: String,
         purge: bool,
         reply: Option<oneshot::Sender<Result<Value, RunError>>>,
     ) {
         let host = self.host.clone();
         let tx = self.tx.clone();
+        let (proxy, networked) = match self.runs.get_mut(&id) {
+            Some(e) => (e.proxy.take(), e.rec.net.is_some()),
+            None => (None, false),
+        };
+        if let Some(p) = proxy {
+            p.abort();
+        }
+        let net = self.net.clone().ok().filter(|_| networked);
         tokio::spawn(async move {
             let i = id.clone();
             let res = tokio::task::spawn_blocking(move || sandbox::destroy(&host, &i)).await;
+            if let Some(n) = net {
+                n.detach(&id).await;
+            }
             let err = match res {
                 Ok(Ok(())) => None,
                 Ok(Err(e)) => Some(format!("{:#}", anyhow::Error::from(e))),
@@ -306,6 +331,50 @@ impl Registry {
             }
             let _ = tx.send(Cmd::ShimExited(id, shim.shim_start)).await;
         });
+    }
+
+    /// Address (and proxy port) for a networked run, from what live runs hold.
+    fn allocate_net(&self, plan: &CreatePlan) -> Result<Option<crate::network::RunNet>, RunError> {
+        let Some(tier) = model::tier_of(&plan.network) else {
+            return Ok(None);
+        };
+        let n = self.net.as_ref().map_err(|why| {
+            RunError::Unprocessable(format!(
+                "network {}: unavailable on this host: {why}",
+                plan.network
+            ))
+        })?;
+        let live = self
+            .runs
+            .values()
+            .filter(|e| e.rec.status.is_live())
+            .filter_map(|e| e.rec.net.as_ref());
+        let (mut ips, mut ports) = (
+            std::collections::BTreeSet::new(),
+            std::collections::BTreeSet::new(),
+        );
+        for rn in live {
+            ips.insert(rn.ip);
+            if let Some(p) = rn.proxy_port {
+                ports.insert(p);
+            }
+        }
+        let ip = n
+            .allocate_ip(tier, &ips)
+            .map_err(|e| RunError::Unprocessable(e.to_string()))?;
+        let proxy_port = match tier {
+            sbx_netns::names::Tier::Allowlist => Some(
+                n.allocate_port(&ports)
+                    .map_err(|e| RunError::Unprocessable(e.to_string()))?,
+            ),
+            sbx_netns::names::Tier::Open => None,
+        };
+        Ok(Some(crate::network::RunNet {
+            tier,
+            ip,
+            proxy_port,
+            egress_allow: plan.egress_allow.clone(),
+        }))
     }
 
     fn lease_op(&mut self, id: &str, op: LeaseOp) -> Result<Option<Value>, RunError> {
@@ -367,6 +436,13 @@ impl Registry {
                     return;
                 }
                 let id = ulid::Ulid::new().to_string();
+                let run_net = match self.allocate_net(&plan) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                        return;
+                    }
+                };
                 let now = now_ms();
                 let env_json = serde_json::to_vec(&plan.env).unwrap_or_default();
                 let rec = Record {
@@ -386,6 +462,7 @@ impl Registry {
                     error: None,
                     env_names: plan.env.iter().map(|(k, _)| k.clone()).collect(),
                     image_env: Vec::new(),
+                    net: run_net.clone(),
                 };
                 self.runs.insert(
                     id.clone(),
@@ -395,6 +472,7 @@ impl Registry {
                         shim: None,
                         in_flight: 0,
                         lease: Default::default(),
+                        proxy: None,
                     },
                 );
                 let sealed = self.sealer.seal(&env_json);
@@ -405,6 +483,7 @@ impl Registry {
                 }
                 let host = self.host.clone();
                 let images = self.images.clone();
+                let net = self.net.clone().ok();
                 let tx = self.tx.clone();
                 tokio::spawn(async move {
                     let result = async {
@@ -412,7 +491,7 @@ impl Registry {
                             .root_for(&plan.image)
                             .await
                             .map_err(|e| (422u16, e))?;
-                        sandbox::create(&host, &id, &plan, root)
+                        let mut started = sandbox::create(&host, &id, &plan, root)
                             .await
                             .map(Box::new)
                             .map_err(|e| {
@@ -423,7 +502,29 @@ impl Registry {
                                     500
                                 };
                                 (code, format!("{:#}", anyhow::Error::from(e)))
-                            })
+                            })?;
+                        if let (Some(n), Some(rn)) = (&net, &run_net) {
+                            let wired = async {
+                                n.attach(&id, rn, started.shim.init_pid as u32).await?;
+                                if rn.proxy_port.is_some() {
+                                    started.proxy = Some(n.start_proxy(&id, rn).await?);
+                                }
+                                Ok::<(), crate::network::NetworkError>(())
+                            }
+                            .await;
+                            if let Err(e) = wired {
+                                let (h, i) = (host.clone(), id.clone());
+                                let _ =
+                                    tokio::task::spawn_blocking(move || sandbox::destroy(&h, &i))
+                                        .await;
+                                n.detach(&id).await;
+                                return Err((
+                                    500u16,
+                                    format!("network: {:#}", anyhow::Error::from(e)),
+                                ));
+                            }
+                        }
+                        Ok(started)
                     }
                     .await;
                     let _ = tx.send(Cmd::Created(id, result, reply)).await;
@@ -438,6 +539,7 @@ impl Registry {
                             e.shim = Some(shim);
                             e.rec.status = Status::Running;
                             e.rec.image_env = started.image_env;
+                            e.proxy = started.proxy;
                         }
                         let persisted = self.persist(&id, None, "");
                         self.watch(id.clone(), Some(started.child), shim);
@@ -594,6 +696,9 @@ impl Registry {
                             ];
                             base_env.extend(e.rec.image_env.iter().cloned());
                             base_env.push(("HOME".to_string(), "/work".to_string()));
+                            if let (Some(rn), Ok(n)) = (&e.rec.net, &self.net) {
+                                base_env.extend(n.proxy_env(rn));
+                            }
                             base_env.extend(e.env.iter().cloned());
                             let base_env = dedup_env(base_env);
                             Ok(ExecTicket {
@@ -654,6 +759,10 @@ impl Registry {
                     e.in_flight = e.in_flight.saturating_sub(1);
                 }
             }
+            Cmd::ProxyStarted(id, handle) => match self.runs.get_mut(&id) {
+                Some(e) if e.rec.status == Status::Running => e.proxy = Some(handle),
+                _ => handle.abort(),
+            },
             Cmd::Tick => {
                 let now = now_ms();
                 let expired: Vec<String> = self
@@ -693,6 +802,7 @@ impl Registry {
                         .map(|e| e.rec.id.clone())
                         .collect();
                     let host = self.host.clone();
+                    let net = self.net.clone().ok();
                     for id in &live {
                         self.set_status(
                             id,
@@ -709,6 +819,11 @@ impl Registry {
                             }
                         })
                         .await;
+                        if let Some(n) = net {
+                            // Every run is gone: so are their links, and the bridges.
+                            n.reconcile(&[]).await;
+                            n.teardown().await;
+                        }
                         let _ = reply.send(());
                     });
                 } else {
@@ -757,6 +872,7 @@ impl Registry {
                     shim,
                     in_flight: 0,
                     lease,
+                    proxy: None,
                 },
             );
             if live {
@@ -781,6 +897,24 @@ impl Registry {
                 tracing::info!(run = %id, "re-adopted run");
                 self.watch(id.clone(), None, s);
             }
+            let rn = self.runs.get(id).and_then(|e| e.rec.net.clone());
+            if let (Some(rn), Ok(n)) = (rn.filter(|r| r.proxy_port.is_some()), &self.net) {
+                let (n, id, tx) = (n.clone(), id.clone(), self.tx.clone());
+                tokio::spawn(async move {
+                    match n.start_proxy(&id, &rn).await {
+                        Ok(h) => {
+                            let _ = tx.send(Cmd::ProxyStarted(id, h)).await;
+                        }
+                        Err(e) => {
+                            tracing::error!(run = %id, error = %format!("{:#}", anyhow::Error::from(e)), "restart egress proxy")
+                        }
+                    }
+                });
+            }
+        }
+        if let Ok(n) = &self.net {
+            let (n, live) = (n.clone(), adopted.clone());
+            tokio::spawn(async move { n.reconcile(&live).await });
         }
         // Everything on disk, in cgroups or in the process table that no
         // live record owns is an orphan.
@@ -880,6 +1014,7 @@ impl Runs {
         host: Arc<Host>,
         server: String,
         images: Arc<crate::imagesvc::Images>,
+        net: Result<Arc<crate::network::Network>, String>,
     ) -> anyhow::Result<Runs> {
         std::fs::create_dir_all(host.runs_dir())?;
         let store = Store::open(&host.state_dir.join("sbx.db"))?;
@@ -893,6 +1028,7 @@ impl Runs {
             runs: HashMap::new(),
             tx: tx.clone(),
             images,
+            net,
             shutting_down: false,
         };
         reg.reconcile()?;

@@ -99,6 +99,8 @@ pub struct CreatePlan {
     pub env: Vec<(String, String)>,
     pub ttl_secs: u64,
     pub network: String,
+    /// The run's own allowlist entries (validated).
+    pub egress_allow: Vec<String>,
     pub limits: Limits,
     pub labels: BTreeMap<String, String>,
     pub uid: u32,
@@ -249,6 +251,12 @@ impl CreateRequest {
                 format!("only allowed with network allowlist, not {network}"),
             ));
         }
+        let egress_allow = self.egress_allow.clone().unwrap_or_default();
+        if egress_allow.len() > 256 {
+            return Err(field_err("egressAllow", "at most 256 entries"));
+        }
+        crate::egress::allowlist::parse_list(&egress_allow)
+            .map_err(|e| field_err("egressAllow", format!("malformed entry {e}")))?;
         let mut limits = Limits::default();
         if let Some(l) = self.limits {
             if let Some(cpu) = l.cpu {
@@ -293,6 +301,7 @@ impl CreateRequest {
             env,
             ttl_secs,
             network,
+            egress_allow,
             limits,
             labels,
             uid,
@@ -394,6 +403,15 @@ impl ExecBody {
     }
 }
 
+/// The tier a `network` value names (`None` for `none`).
+pub fn tier_of(network: &str) -> Option<sbx_netns::names::Tier> {
+    match network {
+        "allowlist" => Some(sbx_netns::names::Tier::Allowlist),
+        "open" => Some(sbx_netns::names::Tier::Open),
+        _ => None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -435,6 +453,10 @@ mod tests {
             (serde_json::json!({"ttlSec": 86401}), "ttlSec"),
             (serde_json::json!({"network": "wide"}), "network"),
             (serde_json::json!({"egressAllow": ["a.com"]}), "egressAllow"),
+            (
+                serde_json::json!({"network": "allowlist", "egressAllow": [".com"]}),
+                "egressAllow",
+            ),
             (serde_json::json!({"user": "root"}), "user"),
             (serde_json::json!({"workdir": "work"}), "workdir"),
             (serde_json::json!({"template": "nope"}), "template"),

@@ -155,6 +155,9 @@ fn prepare(host: &Host, id: &str, plan: &CreatePlan, root: &Root) -> Result<RunS
         }
     }
     chown_work(&rootfs, &plan.workdir, plan.uid, plan.gid).map_err(image_err)?;
+    let resolv = crate::network::Network::resolv_conf(super::model::tier_of(&plan.network));
+    super::files::write_root_file(&rootfs, "etc/resolv.conf", resolv.as_bytes(), 0o644)
+        .map_err(image_err)?;
     let mut env = vec!["HOME=/work".to_string(), format!("HOSTNAME={id}")];
     env.push(format!("PATH={}", spec::DEFAULT_PATH));
     Ok(RunSpec {
@@ -178,6 +181,8 @@ pub struct Started {
     pub child: tokio::process::Child,
     /// The image's environment (empty for `host`).
     pub image_env: Vec<(String, String)>,
+    /// The run's egress proxy (allowlist tier), set once networking is up.
+    pub proxy: Option<tokio::task::JoinHandle<()>>,
 }
 
 /// Creates the run: root, bundle, shim. On error everything is torn down.
@@ -248,6 +253,7 @@ async fn create_inner(
         shim,
         child,
         image_env,
+        proxy: None,
     })
 }
 

@@ -50,6 +50,8 @@ pub fn require_root(name: &str) -> bool {
 }
 
 pub struct Daemon {
+    /// Network namespace (`/run/netns/NAME`) and hosts file the daemon runs with.
+    pub netns: Option<(String, PathBuf)>,
     pub child: Option<Child>,
     pub state: PathBuf,
     pub port: u16,
@@ -72,21 +74,40 @@ pub fn bin() -> &'static str {
 
 impl Daemon {
     pub fn start(extra: &[&str]) -> Daemon {
+        Daemon::start_in(extra, None)
+    }
+
+    /// A daemon inside network namespace `netns` (its bridges and every
+    /// address it makes stay there), with `hosts` as its /etc/hosts.
+    pub fn start_in(extra: &[&str], netns: Option<(String, PathBuf)>) -> Daemon {
         let tmp = tempfile::Builder::new()
             .prefix("sbx-e2e-")
             .tempdir()
             .expect("tempdir");
+        // The API listens inside the namespace: build the client on a thread
+        // that entered it, so the client's own I/O thread starts there too.
+        let ns = netns.as_ref().map(|(n, _)| n.clone());
+        let http = std::thread::spawn(move || {
+            if let Some(n) = ns {
+                let f = std::fs::File::open(format!("/run/netns/{n}")).expect("netns");
+                nix::sched::setns(&f, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+            }
+            reqwest::blocking::Client::builder()
+                .timeout(Duration::from_secs(120))
+                .build()
+                .expect("client")
+        })
+        .join()
+        .expect("client thread");
         let mut d = Daemon {
+            netns,
             child: None,
             state: tmp.path().to_path_buf(),
             port: free_port(),
             token: String::new(),
             extra: extra.iter().map(|s| s.to_string()).collect(),
             _tmp: Some(tmp),
-            http: reqwest::blocking::Client::builder()
-                .timeout(Duration::from_secs(120))
-                .build()
-                .expect("client"),
+            http,
         };
         d.spawn();
         d
@@ -98,7 +119,20 @@ impl Daemon {
             .append(true)
             .open(self.state.with_extension("log"))
             .expect("log");
-        let child = Command::new(bin())
+        let mut cmd = match &self.netns {
+            None => Command::new(bin()),
+            Some((ns, hosts)) => {
+                let mut c = Command::new("unshare");
+                c.args(["-m", "--propagation", "private", "sh", "-c"])
+                    .arg(r#"hosts=$1; ns=$2; shift 2; mount --bind "$hosts" /etc/hosts && exec nsenter --net="$ns" "$@""#)
+                    .arg("sh")
+                    .arg(hosts)
+                    .arg(format!("/run/netns/{ns}"))
+                    .arg(bin());
+                c
+            }
+        };
+        let child = cmd
             .arg("serve")
             .arg("--state-dir")
             .arg(&self.state)
