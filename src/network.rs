@@ -42,7 +42,28 @@ pub struct RunNet {
     pub proxy_port: Option<u16>,
     /// The run's own `egressAllow` entries as given.
     pub egress_allow: Vec<String>,
+    /// The prepared network namespace (and veth) the run took from the pool.
+    pub slot: String,
 }
+
+/// A prepared network namespace: veth on its bridge, address, routes and
+/// anti-spoofing table done, waiting for a run.
+struct Slot {
+    name: String,
+    ip: Ipv4Addr,
+}
+
+/// Ready slots per tier, and every address and port held by a slot or a run.
+#[derive(Default)]
+struct Pool {
+    ready: std::collections::HashMap<Tier, Vec<Slot>>,
+    ips: BTreeSet<Ipv4Addr>,
+    ports: BTreeSet<u16>,
+    counter: u64,
+}
+
+/// Ready slots kept per tier once the tier has been used.
+pub const POOL_SIZE: usize = 2;
 
 /// The tiers' plan is fixed at start; the bridges and tables are made on
 /// first use, so a daemon that only ever runs `none` touches no link.
@@ -53,7 +74,11 @@ pub struct Network {
     pub proxy_ports: (u16, u16),
     /// Built-in + deployment entries.
     base_entries: Vec<Entry>,
+    /// Where pinned network namespaces live (`<state>/netns`).
+    netns_dir: std::path::PathBuf,
     live: tokio::sync::OnceCell<Live>,
+    /// Never held across an await.
+    pool: std::sync::Mutex<Pool>,
 }
 
 struct Live {
@@ -100,6 +125,7 @@ impl Network {
     /// Plans the tiers; nothing is created yet.
     pub fn new(
         key: &str,
+        netns_dir: std::path::PathBuf,
         subnet: Option<Subnet>,
         proxy_ports: Option<(u16, u16)>,
         deployment: Vec<Entry>,
@@ -117,7 +143,9 @@ impl Network {
             open,
             proxy_ports,
             base_entries,
+            netns_dir,
             live: tokio::sync::OnceCell::new(),
+            pool: std::sync::Mutex::new(Pool::default()),
         })
     }
 
@@ -170,20 +198,6 @@ impl Network {
         }
     }
 
-    pub fn allocate_ip(
-        &self,
-        tier: Tier,
-        used: &BTreeSet<Ipv4Addr>,
-    ) -> Result<Ipv4Addr, NetworkError> {
-        Ok(ipam::allocate(self.subnet(tier), used)?)
-    }
-
-    pub fn allocate_port(&self, used: &BTreeSet<u16>) -> Result<u16, NetworkError> {
-        (self.proxy_ports.0..=self.proxy_ports.1)
-            .find(|p| !used.contains(p))
-            .ok_or(NetworkError::NoPort(self.proxy_ports.0, self.proxy_ports.1))
-    }
-
     /// The run's view of the world: its resolv.conf.
     pub fn resolv_conf(tier: Option<Tier>) -> String {
         match tier {
@@ -228,51 +242,176 @@ impl Network {
         env
     }
 
-    /// Wires a run's network namespace (the init's, `pid`) to its bridge.
-    pub async fn attach(&self, run_id: &str, net: &RunNet, pid: u32) -> Result<(), NetworkError> {
-        let live = self.live().await?;
-        let (veth, peer) = (self.names.veth(run_id), self.names.peer(run_id));
-        let bridge = match net.tier {
-            Tier::Allowlist => live.bridges.0,
-            Tier::Open => live.bridges.1,
+    fn pool(&self) -> std::sync::MutexGuard<'_, Pool> {
+        self.pool.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Where a slot's namespace is pinned.
+    pub fn netns_path(&self, slot: &str) -> std::path::PathBuf {
+        self.netns_dir.join(slot)
+    }
+
+    /// Records what live runs hold (at start-up, before any allocation).
+    pub fn adopt(&self, nets: &[RunNet]) {
+        let mut pool = self.pool();
+        for n in nets {
+            pool.ips.insert(n.ip);
+            if let Some(p) = n.proxy_port {
+                pool.ports.insert(p);
+            }
+        }
+    }
+
+    /// A network for a new run: a ready slot of its tier (built now if the
+    /// pool is empty) and, for the allowlist tier, a proxy port. The pool is
+    /// refilled in the background.
+    pub async fn take(
+        self: &Arc<Self>,
+        tier: Tier,
+        egress_allow: Vec<String>,
+    ) -> Result<RunNet, NetworkError> {
+        self.live().await?;
+        let ready = self.pool().ready.get_mut(&tier).and_then(Vec::pop);
+        let slot = match ready {
+            Some(s) => s,
+            None => self.build_slot(tier).await?,
         };
-        let subnet = self.subnet(net.tier);
+        let proxy_port = match tier {
+            Tier::Allowlist => {
+                let port = {
+                    let mut pool = self.pool();
+                    let port =
+                        (self.proxy_ports.0..=self.proxy_ports.1).find(|p| !pool.ports.contains(p));
+                    if let Some(p) = port {
+                        pool.ports.insert(p);
+                    }
+                    port
+                };
+                if port.is_none() {
+                    self.release_slot(&slot.name, slot.ip).await;
+                    return Err(NetworkError::NoPort(self.proxy_ports.0, self.proxy_ports.1));
+                }
+                port
+            }
+            Tier::Open => None,
+        };
+        let me = self.clone();
+        tokio::spawn(async move { me.refill(tier).await });
+        Ok(RunNet {
+            tier,
+            ip: slot.ip,
+            proxy_port,
+            egress_allow,
+            slot: slot.name,
+        })
+    }
+
+    async fn refill(&self, tier: Tier) {
+        loop {
+            if self.pool().ready.get(&tier).map_or(0, Vec::len) >= POOL_SIZE {
+                return;
+            }
+            match self.build_slot(tier).await {
+                Ok(s) => self.pool().ready.entry(tier).or_default().push(s),
+                Err(e) => {
+                    tracing::warn!(error = %format!("{:#}", anyhow::Error::from(e)), "refill network pool");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Prepares one slot: pinned namespace, veth on the bridge, address and
+    /// routes inside, anti-spoofing table.
+    async fn build_slot(&self, tier: Tier) -> Result<Slot, NetworkError> {
+        let live = self.live().await?;
+        let subnet = self.subnet(tier);
+        let (name, ip) = {
+            let mut pool = self.pool();
+            pool.counter += 1;
+            let seed = format!(
+                "{}-{}-{}",
+                std::process::id(),
+                pool.counter,
+                crate::runs::now_ms()
+            );
+            let ip = ipam::allocate(subnet, &pool.ips)?;
+            pool.ips.insert(ip);
+            (self.names.slot(&seed), ip)
+        };
+        let t0 = std::time::Instant::now();
         let result = async {
-            live.links.attach(bridge, &veth, &peer, pid).await?;
-            let (ip, gw) = (net.ip, (net.tier == Tier::Open).then(|| subnet.gateway()));
-            let p = peer.clone();
+            let path = self.netns_path(&name);
+            std::fs::create_dir_all(&self.netns_dir)
+                .map_err(|e| links::LinkError::Missing(e.to_string()))?;
+            let p = path.clone();
+            tokio::task::spawn_blocking(move || sbx_netns::create_pinned(&p))
+                .await
+                .map_err(|e| links::LinkError::Missing(e.to_string()))?
+                .map_err(|e| links::LinkError::Missing(format!("{:#}", anyhow::Error::from(e))))?;
+            let (veth, peer) = (self.names.veth(&name), self.names.peer(&name));
+            let bridge = match tier {
+                Tier::Allowlist => live.bridges.0,
+                Tier::Open => live.bridges.1,
+            };
+            live.links.attach(bridge, &veth, &peer, &path).await?;
+            let gw = (tier == Tier::Open).then(|| subnet.gateway());
+            let (p, pe) = (path.clone(), peer.clone());
             tokio::task::spawn_blocking(move || {
-                links::configure_inside(pid, &p, ip, subnet.prefix, gw)
+                links::configure_inside(&p, &pe, ip, subnet.prefix, gw)
             })
             .await
             .map_err(|e| links::LinkError::Missing(e.to_string()))??;
-            let (table, v) = (self.names.run_table(run_id), veth.clone());
-            tokio::task::spawn_blocking(move || firewall::apply_run(&table, &v, ip))
+            let table = self.names.run_table(&name);
+            tokio::task::spawn_blocking(move || firewall::apply_run(&table, &veth, ip))
                 .await
                 .map_err(|e| links::LinkError::Missing(e.to_string()))??;
             Ok::<(), NetworkError>(())
         }
         .await;
-        if result.is_err() {
-            self.detach(run_id).await;
+        match result {
+            Ok(()) => {
+                tracing::debug!(slot = %name, ?tier, %ip, ms = t0.elapsed().as_millis() as u64, "network slot ready");
+                Ok(Slot { name, ip })
+            }
+            Err(e) => {
+                self.release_slot(&name, ip).await;
+                Err(e)
+            }
         }
-        result
     }
 
-    /// Removes a run's link and table; idempotent, logs what it cannot do.
-    pub async fn detach(&self, run_id: &str) {
+    /// Removes a slot's namespace, link and table and frees its address.
+    async fn release_slot(&self, slot: &str, ip: Ipv4Addr) {
+        let path = self.netns_path(slot);
+        if let Ok(Err(e)) =
+            tokio::task::spawn_blocking(move || sbx_netns::remove_pinned(&path)).await
+        {
+            tracing::error!(slot, error = %e, "release network namespace");
+        }
         match Links::connect() {
             Ok(links) => {
-                if let Err(e) = links.delete(&self.names.veth(run_id)).await {
-                    tracing::error!(run = run_id, error = %e, "delete veth");
+                if let Err(e) = links.delete(&self.names.veth(slot)).await {
+                    tracing::error!(slot, error = %e, "delete veth");
                 }
             }
-            Err(e) => tracing::error!(run = run_id, error = %e, "netlink"),
+            Err(e) => tracing::error!(slot, error = %e, "netlink"),
         }
-        let table = self.names.run_table(run_id);
-        let r = tokio::task::spawn_blocking(move || firewall::delete_run_table(&table)).await;
-        if let Ok(Err(e)) = r {
-            tracing::error!(run = run_id, error = %e, "delete run table");
+        let table = self.names.run_table(slot);
+        if let Ok(Err(e)) =
+            tokio::task::spawn_blocking(move || firewall::delete_run_table(&table)).await
+        {
+            tracing::error!(slot, error = %e, "delete run table");
+        }
+        self.pool().ips.remove(&ip);
+    }
+
+    /// Gives back everything a dead run held. Call after its processes are
+    /// gone. Idempotent.
+    pub async fn release(&self, net: &RunNet) {
+        self.release_slot(&net.slot, net.ip).await;
+        if let Some(p) = net.proxy_port {
+            self.pool().ports.remove(&p);
         }
     }
 
@@ -304,9 +443,21 @@ impl Network {
         Ok(tokio::spawn(proxy::serve(listener, policy)))
     }
 
-    /// Removes links and tables of runs that are not live.
-    pub async fn reconcile(&self, live: &[String]) {
-        let live_veths: BTreeSet<String> = live.iter().map(|id| self.names.veth(id)).collect();
+    /// Removes namespaces, links and tables that no live run holds (a
+    /// crashed daemon's runs and pool).
+    pub async fn reconcile(&self, live: &[RunNet]) {
+        let slots: BTreeSet<String> = live.iter().map(|n| n.slot.clone()).collect();
+        if let Ok(rd) = std::fs::read_dir(&self.netns_dir) {
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if !slots.contains(&name) {
+                    tracing::info!(slot = %name, "removing orphan network namespace");
+                    let p = e.path();
+                    let _ = tokio::task::spawn_blocking(move || sbx_netns::remove_pinned(&p)).await;
+                }
+            }
+        }
+        let live_veths: BTreeSet<String> = slots.iter().map(|s| self.names.veth(s)).collect();
         if let Ok(links) = Links::connect() {
             for tier in [Tier::Allowlist, Tier::Open] {
                 let Ok(Some(bridge)) = links.index(&self.names.bridge(tier)).await else {
@@ -325,8 +476,7 @@ impl Network {
                 }
             }
         }
-        let live_tables: BTreeSet<String> =
-            live.iter().map(|id| self.names.run_table(id)).collect();
+        let live_tables: BTreeSet<String> = slots.iter().map(|s| self.names.run_table(s)).collect();
         let prefix = self.names.run_table_prefix();
         match tokio::task::spawn_blocking(firewall::table_names).await {
             Ok(Ok(tables)) => {
@@ -341,6 +491,14 @@ impl Network {
             }
             Ok(Err(e)) => tracing::error!(error = %e, "list nftables tables"),
             Err(e) => tracing::error!(error = %e, "list nftables tables"),
+        }
+    }
+
+    /// Drops the ready slots (shutdown with every run stopped).
+    pub async fn drain_pool(&self) {
+        let slots: Vec<Slot> = self.pool().ready.drain().flat_map(|(_, v)| v).collect();
+        for s in slots {
+            self.release_slot(&s.name, s.ip).await;
         }
     }
 }

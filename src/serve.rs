@@ -76,7 +76,7 @@ async fn run(cfg: Config, state_dir: std::path::PathBuf) -> anyhow::Result<()> {
     if !cfg.egress_allow.is_empty() {
         tracing::info!(
             entries = cfg.egress_allow.len(),
-            "deployment egress allowlist loaded; only the none network tier exists in this build"
+            "deployment egress allowlist loaded"
         );
     }
     if let Some(root) = &cfg.cache_root {
@@ -86,6 +86,7 @@ async fn run(cfg: Config, state_dir: std::path::PathBuf) -> anyhow::Result<()> {
     let key = host.cgroup_parent.trim_start_matches("/sbx-").to_string();
     let net = match crate::network::Network::new(
         &key,
+        state_dir.join("netns"),
         cfg.subnet,
         cfg.proxy_ports,
         cfg.egress_allow.clone(),

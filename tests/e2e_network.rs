@@ -106,26 +106,62 @@ impl World {
         self.dir.path().join("ca.pem")
     }
 
-    /// Links, run tables and proxy listeners of the daemon's namespace.
-    fn leftovers(&self, d: &Daemon) -> Vec<String> {
+    /// What is left in the daemon's namespace of run `id` (described by its
+    /// JSON before deletion): its link, its anti-spoofing table, its proxy.
+    fn run_leftovers(&self, run: &Value) -> Vec<String> {
+        let link = run["link"].as_str().expect("link").to_string();
+        let slot = link.trim_start_matches("vsbx").to_string();
+        let mut out: Vec<String> = self
+            .leftovers_all()
+            .into_iter()
+            .filter(|l| l.contains(&link) || l.contains(&format!("-{slot}")))
+            .collect();
+        if let Some(proxy) = run["proxy"].as_str() {
+            let port = format!(":{}", proxy.rsplit(':').next().unwrap_or(""));
+            out.extend(self.listeners().into_iter().filter(|l| l.contains(&port)));
+        }
+        out
+    }
+
+    fn listeners(&self) -> Vec<String> {
+        sh_ok(&format!("ip netns exec {} ss -Hltn", self.d))
+            .lines()
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// Every sbx link, table, pinned namespace and non-API listener.
+    fn leftovers_all(&self) -> Vec<String> {
         let mut out = Vec::new();
         for l in sh_ok(&format!("ip -n {} -br link", self.d)).lines() {
-            if l.starts_with("vsbx") || l.starts_with("psbx") {
+            if l.contains("sbx") {
                 out.push(format!("link {l}"));
             }
         }
         for t in sh_ok(&format!("ip netns exec {} nft list tables", self.d)).lines() {
-            if t.contains("sbxr-") {
+            if t.contains("sbx") {
                 out.push(format!("table {t}"));
             }
         }
-        for l in sh_ok(&format!("ip netns exec {} ss -Hltn", self.d)).lines() {
-            // Only the API itself may listen.
-            if !l.contains(&format!(":{}", d.port)) {
-                out.push(format!("listener {l}"));
-            }
-        }
         out
+    }
+
+    /// Stops the daemon with its runs and checks the namespace holds
+    /// nothing of sbx any more: no link, bridge, table or listener.
+    fn assert_clean_after_stop(&self, d: &mut Daemon) {
+        d.kill9();
+        if !d.extra.iter().any(|a| a == "--stop-runs-on-exit") {
+            d.extra.push("--stop-runs-on-exit".into());
+        }
+        d.spawn();
+        d.sigterm();
+        assert_eq!(self.leftovers_all(), Vec::<String>::new());
+        assert_eq!(self.listeners(), Vec::<String>::new());
+        let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        assert!(
+            !mounts.contains(&d.state.join("netns").display().to_string()),
+            "pinned namespaces left"
+        );
     }
 }
 
@@ -325,9 +361,16 @@ fn allowlist_tier_admits_only_the_list_through_the_proxy() {
     );
     // Deleting removes link, table and listener.
     for id in [&a, &b] {
+        let (_, run) = d.call(Method::GET, &format!("/v1/runs/{id}"), None);
+        assert!(
+            !w.run_leftovers(&run).is_empty(),
+            "the run had a link: {run}"
+        );
         d.call(Method::DELETE, &format!("/v1/runs/{id}"), None);
+        assert_eq!(w.run_leftovers(&run), Vec::<String>::new());
     }
-    assert_eq!(w.leftovers(&d), Vec::<String>::new());
+    let mut d = d;
+    w.assert_clean_after_stop(&mut d);
 }
 
 #[test]
@@ -364,9 +407,18 @@ fn open_tier_routes_out_but_not_between_runs() {
     );
     // Not between runs, neither TCP nor ping; not the daemon's API.
     let y_ip = out(&d.sh(&y, "python3 -c \"import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.connect(('203.0.113.12', 9)); print(s.getsockname()[0])\"")).trim().to_string();
-    d.sh(&y, "python3 -c \"import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', 8080)); s.listen(); time.sleep(60)\" > /dev/null 2>&1 &");
+    // An echo server in y: reachable from y itself, not from x.
+    let echo = "import socket\ns = socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+                s.bind(('0.0.0.0', 8080))\ns.listen()\nwhile True:\n    c, _ = s.accept()\n    c.sendall(c.recv(10))\n    c.close()\n";
+    let r = d
+        .req(Method::PUT, &format!("/v1/runs/{y}/files/echo.py"))
+        .body(echo)
+        .send()
+        .expect("put");
+    assert_eq!(r.status().as_u16(), 201);
+    d.sh(&y, "python3 /work/echo.py > /dev/null 2>&1 &");
     wait_for("y listens", 10, || {
-        out(&d.sh(&y, &tcp_cmd("127.0.0.1", 8080))).contains("got")
+        out(&d.sh(&y, &tcp_cmd("127.0.0.1", 8080))) == "got ping\n"
     });
     let v = d.sh(&x, &tcp_cmd(&y_ip, 8080));
     assert!(!out(&v).contains("got"), "{v}");
@@ -388,9 +440,12 @@ fn open_tier_routes_out_but_not_between_runs() {
         "daemon API reachable via the gateway: {v}"
     );
     for id in [&x, &y] {
+        let (_, run) = d.call(Method::GET, &format!("/v1/runs/{id}"), None);
         d.call(Method::DELETE, &format!("/v1/runs/{id}"), None);
+        assert_eq!(w.run_leftovers(&run), Vec::<String>::new());
     }
-    assert_eq!(w.leftovers(&d), Vec::<String>::new());
+    let mut d = d;
+    w.assert_clean_after_stop(&mut d);
 }
 
 #[test]
@@ -399,24 +454,20 @@ fn network_state_is_cleaned_after_expiry_and_kill_9() {
         return;
     }
     let w = World::new("k");
-    let mut d = w.daemon(&[]);
+    let mut d = w.daemon(&["--egress-allow", "allowed.test"]);
     let short = d.create(json!({"network": "allowlist", "ttlSec": 3}));
     let keep = d.create(json!({"network": "allowlist"}));
     let gone = d.create(json!({"network": "open"}));
+    let (_, v) = d.call(Method::GET, &format!("/v1/runs/{short}"), None);
+    let short_run = v;
     wait_for("expiry", 30, || {
         d.call(Method::GET, &format!("/v1/runs/{short}"), None).1["status"] == "expired"
     });
-    let names = sbx_netns::names::Names::new(d.cgroup_parent().trim_start_matches("sbx-"));
-    let mine = |d: &Daemon, id: &str| {
-        let (veth, table) = (names.veth(id), names.run_table(id));
-        w.leftovers(d)
-            .into_iter()
-            .filter(|l| l.contains(&veth) || l.contains(&table))
-            .collect::<Vec<_>>()
-    };
-    assert_eq!(mine(&d, &keep).len(), 2, "{:?}", w.leftovers(&d));
+    let run = |d: &Daemon, id: &str| d.call(Method::GET, &format!("/v1/runs/{id}"), None).1;
+    let (keep_run, gone_run) = (run(&d, &keep), run(&d, &gone));
+    assert_eq!(w.run_leftovers(&keep_run).len(), 3, "link, table, proxy");
     wait_for("expired run's network removed", 10, || {
-        mine(&d, &short).is_empty()
+        w.run_leftovers(&short_run).is_empty()
     });
     // kill -9; one run's sandbox dies while the daemon is down.
     let state: Value = serde_json::from_slice(
@@ -443,9 +494,12 @@ fn network_state_is_cleaned_after_expiry_and_kill_9() {
         "hello from allowed.test\n"
     );
     wait_for("dead run's network removed", 10, || {
-        mine(&d, &gone).is_empty()
+        w.run_leftovers(&gone_run).is_empty()
     });
-    assert_eq!(mine(&d, &keep).len(), 2, "{:?}", w.leftovers(&d));
+    assert_eq!(w.run_leftovers(&keep_run).len(), 3, "link, table, proxy");
+    let (_, v) = d.call(Method::GET, &format!("/v1/runs/{gone}"), None);
+    assert_eq!(v["status"], "error");
     d.call(Method::DELETE, &format!("/v1/runs/{keep}"), None);
-    assert_eq!(w.leftovers(&d), Vec::<String>::new());
+    assert_eq!(w.run_leftovers(&keep_run), Vec::<String>::new());
+    w.assert_clean_after_stop(&mut d);
 }

@@ -48,6 +48,59 @@ pub fn loopback_up_in(pid: i32) -> Result<(), NetnsError> {
     result.map_err(NetnsError::Loopback)
 }
 
+/// Creates a network namespace pinned by a bind mount on `path` (a new
+/// empty file), with loopback up, IPv6 and router advertisements off and
+/// unprivileged ping allowed. The work happens on a thread of its own (the
+/// only one whose namespace changes), so any process may call it.
+pub fn create_pinned(path: &std::path::Path) -> Result<(), NetnsError> {
+    let path = path.to_path_buf();
+    let worker = std::thread::spawn(move || -> Result<(), NetnsError> {
+        nix::sched::unshare(CloneFlags::CLONE_NEWNET)
+            .map_err(|source| NetnsError::Enter { pid: 0, source })?;
+        for (p, v) in [
+            ("/proc/sys/net/ipv6/conf/all/disable_ipv6", "1"),
+            ("/proc/sys/net/ipv6/conf/default/disable_ipv6", "1"),
+            ("/proc/sys/net/ipv6/conf/all/accept_ra", "0"),
+            ("/proc/sys/net/ipv6/conf/default/accept_ra", "0"),
+            ("/proc/sys/net/ipv4/ping_group_range", "0 2147483647"),
+        ] {
+            links::sysctl(p, v)
+                .map_err(|e| NetnsError::Loopback(std::io::Error::other(e.to_string())))?;
+        }
+        set_up("lo").map_err(NetnsError::Loopback)?;
+        std::fs::File::create(&path).map_err(|source| NetnsError::Open { pid: 0, source })?;
+        nix::mount::mount(
+            Some("/proc/thread-self/ns/net"),
+            &path,
+            None::<&str>,
+            nix::mount::MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .map_err(|source| NetnsError::Enter { pid: 0, source })
+    });
+    match worker.join() {
+        Ok(r) => r,
+        Err(_) => Err(NetnsError::Loopback(std::io::Error::other(
+            "namespace thread panicked",
+        ))),
+    }
+}
+
+/// Releases a pinned namespace: detaches the bind mount and removes the
+/// file. Once no process is in it either, the kernel destroys it with its
+/// links. Missing is fine.
+pub fn remove_pinned(path: &std::path::Path) -> Result<(), NetnsError> {
+    match nix::mount::umount2(path, nix::mount::MntFlags::MNT_DETACH) {
+        Ok(()) | Err(nix::errno::Errno::EINVAL) | Err(nix::errno::Errno::ENOENT) => {}
+        Err(source) => return Err(NetnsError::Enter { pid: 0, source }),
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(source) => Err(NetnsError::Open { pid: 0, source }),
+    }
+}
+
 fn set_up(name: &str) -> std::io::Result<()> {
     let sock =
         std::net::UdpSocket::bind("0.0.0.0:0").or_else(|_| std::net::UdpSocket::bind("[::]:0"))?;

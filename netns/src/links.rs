@@ -20,7 +20,7 @@ pub enum LinkError {
     },
     #[error("link {0} not found")]
     Missing(String),
-    #[error("enter the network namespace of pid {pid}")]
+    #[error("enter a run's network namespace (pid {pid}, 0 = pinned)")]
     Enter {
         pid: u32,
         #[source]
@@ -188,14 +188,16 @@ impl Links {
     }
 
     /// A veth pair: `host` on `bridge` (isolated port, up, no IPv6), `peer`
-    /// moved into the network namespace of `pid`.
+    /// moved into the pinned network namespace at `netns`.
     pub async fn attach(
         &self,
         bridge: u32,
         host: &str,
         peer: &str,
-        pid: u32,
+        netns: &std::path::Path,
     ) -> Result<(), LinkError> {
+        let ns =
+            std::fs::File::open(netns).map_err(|source| LinkError::Enter { pid: 0, source })?;
         self.handle
             .link()
             .add(LinkVeth::new(host, peer).build())
@@ -229,7 +231,11 @@ impl Links {
                 .map_err(nl("isolate port", host))?;
             self.handle
                 .link()
-                .set(LinkUnspec::new_with_name(peer).setns_by_pid(pid).build())
+                .set(
+                    LinkUnspec::new_with_name(peer)
+                        .setns_by_fd(std::os::fd::AsRawFd::as_raw_fd(&ns))
+                        .build(),
+                )
                 .execute()
                 .await
                 .map_err(nl("move into the run", peer))?;
@@ -268,37 +274,29 @@ impl Links {
     }
 }
 
-/// Configures the run's end from inside its network namespace: IPv6 and
-/// router advertisements off, renamed `eth0`, address, up, and a default
-/// route when `gateway` is given. Blocking: it runs on its own thread, the
-/// only one whose namespace changes.
+/// Configures the slot's end from inside the pinned namespace at `netns`:
+/// renamed `eth0`, address, up, and a default route when `gateway` is
+/// given. (IPv6, router advertisements and ping were set when the namespace
+/// was made.) Blocking: it runs on its own thread, the only one whose
+/// namespace changes.
 pub fn configure_inside(
-    pid: u32,
+    netns: &std::path::Path,
     peer: &str,
     ip: Ipv4Addr,
     prefix: u8,
     gateway: Option<Ipv4Addr>,
 ) -> Result<(), LinkError> {
     let peer = peer.to_string();
+    let netns = netns.to_path_buf();
     let worker = std::thread::spawn(move || -> Result<(), LinkError> {
-        let ns = std::fs::File::open(format!("/proc/{pid}/ns/net"))
-            .map_err(|source| LinkError::Enter { pid, source })?;
+        let ns =
+            std::fs::File::open(&netns).map_err(|source| LinkError::Enter { pid: 0, source })?;
         nix::sched::setns(&ns, nix::sched::CloneFlags::CLONE_NEWNET).map_err(|e| {
             LinkError::Enter {
-                pid,
+                pid: 0,
                 source: e.into(),
             }
         })?;
-        for (path, value) in [
-            ("/proc/sys/net/ipv6/conf/all/disable_ipv6", "1"),
-            ("/proc/sys/net/ipv6/conf/default/disable_ipv6", "1"),
-            ("/proc/sys/net/ipv6/conf/all/accept_ra", "0"),
-            ("/proc/sys/net/ipv6/conf/default/accept_ra", "0"),
-            // Unprivileged ICMP echo sockets: ping works without CAP_NET_RAW.
-            ("/proc/sys/net/ipv4/ping_group_range", "0 2147483647"),
-        ] {
-            sysctl(path, value)?;
-        }
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()

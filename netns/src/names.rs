@@ -3,7 +3,7 @@
 //! of a daemon can be found again after a crash. Pure.
 
 /// The network tiers that have links.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Tier {
     Allowlist,
@@ -48,14 +48,20 @@ impl Names {
         )
     }
 
-    /// The host end of a run's veth (≤ 15 characters).
-    pub fn veth(&self, run_id: &str) -> String {
-        format!("vsbx{}", self.run_hex(run_id))
+    /// The host end of a slot's veth (≤ 15 characters). A slot is a
+    /// prepared network namespace, named by 10 hex characters.
+    pub fn veth(&self, slot: &str) -> String {
+        format!("vsbx{slot}")
     }
 
-    /// The run end's name until it is renamed eth0 inside the run.
-    pub fn peer(&self, run_id: &str) -> String {
-        format!("psbx{}", self.run_hex(run_id))
+    /// The slot end's name until it is renamed eth0 inside its namespace.
+    pub fn peer(&self, slot: &str) -> String {
+        format!("psbx{slot}")
+    }
+
+    /// A fresh slot name for `seed` (anything unique: a counter, a time).
+    pub fn slot(&self, seed: &str) -> String {
+        self.run_hex(seed)
     }
 
     /// The daemon's inet table (input, forward, NAT).
@@ -63,9 +69,9 @@ impl Names {
         format!("sbx-{}", self.key)
     }
 
-    /// A run's bridge-family table (anti-spoofing on its port).
-    pub fn run_table(&self, run_id: &str) -> String {
-        format!("sbxr-{}-{}", self.key, self.run_hex(run_id))
+    /// A slot's bridge-family table (anti-spoofing on its port).
+    pub fn run_table(&self, slot: &str) -> String {
+        format!("sbxr-{}-{slot}", self.key)
     }
 
     pub fn run_table_prefix(&self) -> String {

@@ -60,6 +60,10 @@ pub struct RunSpec {
     pub cgroups_path: String,
     /// Read-only host directories (the `host` image's `/usr`).
     pub ro_binds: Vec<BindMount>,
+    /// A prepared network namespace to join (networked tiers); a fresh one
+    /// with only loopback when `None`.
+    #[serde(default)]
+    pub netns: Option<PathBuf>,
     /// Whether the v1 memory controller accounts swap (`memory.memsw.*`).
     pub swap_accounting: bool,
     /// RLIMIT_NOFILE (soft = hard) for the run; at most the daemon's own
@@ -163,6 +167,10 @@ pub fn render(spec: &RunSpec) -> Value {
     } else {
         Value::Null
     };
+    let network = match &spec.netns {
+        Some(p) => json!({"type": "network", "path": p}),
+        None => json!({"type": "network"}),
+    };
     let mut memory = json!({"limit": spec.limits.memory_bytes});
     if !swap.is_null() {
         memory["swap"] = swap;
@@ -192,7 +200,7 @@ pub fn render(spec: &RunSpec) -> Value {
                 "pids": {"limit": spec.limits.pids}
             },
             "namespaces": [
-                {"type": "pid"}, {"type": "network"}, {"type": "ipc"},
+                {"type": "pid"}, network, {"type": "ipc"},
                 {"type": "uts"}, {"type": "mount"}, {"type": "cgroup"}
             ],
             "maskedPaths": MASKED_PATHS,
@@ -235,6 +243,7 @@ mod tests {
             }],
             swap_accounting: true,
             nofile: 4096,
+            netns: None,
         }
     }
 
@@ -309,6 +318,15 @@ mod tests {
             .as_array()
             .expect("opts")
             .contains(&json!("ro")));
+    }
+
+    #[test]
+    fn joins_a_prepared_network_namespace() {
+        let mut s = sample();
+        s.netns = Some("/var/lib/sbx/netns/abc".into());
+        let v = render(&s);
+        let nss = v["linux"]["namespaces"].as_array().expect("namespaces");
+        assert!(nss.contains(&json!({"type": "network", "path": "/var/lib/sbx/netns/abc"})));
     }
 
     #[test]

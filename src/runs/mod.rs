@@ -223,6 +223,13 @@ impl Registry {
         }
         if let Some(n) = &r.net {
             v["address"] = json!(n.ip.to_string());
+            if let Ok(net) = &self.net {
+                // The host end of the run's link, for whoever debugs the host.
+                v["link"] = json!(net.names.veth(&n.slot));
+                if let Some(port) = n.proxy_port {
+                    v["proxy"] = json!(format!("http://{}:{port}", net.allow.gateway()));
+                }
+            }
             if !n.egress_allow.is_empty() {
                 v["egressAllow"] = json!(n.egress_allow);
             }
@@ -290,19 +297,20 @@ impl Registry {
     ) {
         let host = self.host.clone();
         let tx = self.tx.clone();
-        let (proxy, networked) = match self.runs.get_mut(&id) {
-            Some(e) => (e.proxy.take(), e.rec.net.is_some()),
-            None => (None, false),
+        let (proxy, run_net) = match self.runs.get_mut(&id) {
+            Some(e) => (e.proxy.take(), e.rec.net.clone()),
+            None => (None, None),
         };
         if let Some(p) = proxy {
             p.abort();
         }
-        let net = self.net.clone().ok().filter(|_| networked);
+        let net = self.net.clone().ok().zip(run_net);
         tokio::spawn(async move {
             let i = id.clone();
             let res = tokio::task::spawn_blocking(move || sandbox::destroy(&host, &i)).await;
-            if let Some(n) = net {
-                n.detach(&id).await;
+            // Its processes are gone: the namespace, link and address go too.
+            if let Some((n, rn)) = net {
+                n.release(&rn).await;
             }
             let err = match res {
                 Ok(Ok(())) => None,
@@ -331,50 +339,6 @@ impl Registry {
             }
             let _ = tx.send(Cmd::ShimExited(id, shim.shim_start)).await;
         });
-    }
-
-    /// Address (and proxy port) for a networked run, from what live runs hold.
-    fn allocate_net(&self, plan: &CreatePlan) -> Result<Option<crate::network::RunNet>, RunError> {
-        let Some(tier) = model::tier_of(&plan.network) else {
-            return Ok(None);
-        };
-        let n = self.net.as_ref().map_err(|why| {
-            RunError::Unprocessable(format!(
-                "network {}: unavailable on this host: {why}",
-                plan.network
-            ))
-        })?;
-        let live = self
-            .runs
-            .values()
-            .filter(|e| e.rec.status.is_live())
-            .filter_map(|e| e.rec.net.as_ref());
-        let (mut ips, mut ports) = (
-            std::collections::BTreeSet::new(),
-            std::collections::BTreeSet::new(),
-        );
-        for rn in live {
-            ips.insert(rn.ip);
-            if let Some(p) = rn.proxy_port {
-                ports.insert(p);
-            }
-        }
-        let ip = n
-            .allocate_ip(tier, &ips)
-            .map_err(|e| RunError::Unprocessable(e.to_string()))?;
-        let proxy_port = match tier {
-            sbx_netns::names::Tier::Allowlist => Some(
-                n.allocate_port(&ports)
-                    .map_err(|e| RunError::Unprocessable(e.to_string()))?,
-            ),
-            sbx_netns::names::Tier::Open => None,
-        };
-        Ok(Some(crate::network::RunNet {
-            tier,
-            ip,
-            proxy_port,
-            egress_allow: plan.egress_allow.clone(),
-        }))
     }
 
     fn lease_op(&mut self, id: &str, op: LeaseOp) -> Result<Option<Value>, RunError> {
@@ -436,13 +400,11 @@ impl Registry {
                     return;
                 }
                 let id = ulid::Ulid::new().to_string();
-                let run_net = match self.allocate_net(&plan) {
-                    Ok(n) => n,
-                    Err(e) => {
-                        let _ = reply.send(Err(e));
-                        return;
-                    }
-                };
+                if let (Some(_), Err(why)) = (model::tier_of(&plan.network), &self.net) {
+                    let msg = format!("network {}: unavailable on this host: {why}", plan.network);
+                    let _ = reply.send(Err(RunError::Unprocessable(msg)));
+                    return;
+                }
                 let now = now_ms();
                 let env_json = serde_json::to_vec(&plan.env).unwrap_or_default();
                 let rec = Record {
@@ -462,7 +424,7 @@ impl Registry {
                     error: None,
                     env_names: plan.env.iter().map(|(k, _)| k.clone()).collect(),
                     image_env: Vec::new(),
-                    net: run_net.clone(),
+                    net: None,
                 };
                 self.runs.insert(
                     id.clone(),
@@ -491,7 +453,19 @@ impl Registry {
                             .root_for(&plan.image)
                             .await
                             .map_err(|e| (422u16, e))?;
-                        let mut started = sandbox::create(&host, &id, &plan, root)
+                        let run_net = match (&net, model::tier_of(&plan.network)) {
+                            (Some(n), Some(tier)) => {
+                                Some(n.take(tier, plan.egress_allow.clone()).await.map_err(
+                                    |e| (500u16, format!("network: {:#}", anyhow::Error::from(e))),
+                                )?)
+                            }
+                            _ => None,
+                        };
+                        let netns = net
+                            .as_ref()
+                            .zip(run_net.as_ref())
+                            .map(|(n, rn)| n.netns_path(&rn.slot));
+                        let created = sandbox::create(&host, &id, &plan, root, netns)
                             .await
                             .map(Box::new)
                             .map_err(|e| {
@@ -502,28 +476,36 @@ impl Registry {
                                     500
                                 };
                                 (code, format!("{:#}", anyhow::Error::from(e)))
-                            })?;
-                        if let (Some(n), Some(rn)) = (&net, &run_net) {
-                            let wired = async {
-                                n.attach(&id, rn, started.shim.init_pid as u32).await?;
-                                if rn.proxy_port.is_some() {
-                                    started.proxy = Some(n.start_proxy(&id, rn).await?);
+                            });
+                        let mut started = match created {
+                            Ok(s) => s,
+                            Err(e) => {
+                                if let (Some(n), Some(rn)) = (&net, &run_net) {
+                                    n.release(rn).await;
                                 }
-                                Ok::<(), crate::network::NetworkError>(())
+                                return Err(e);
                             }
-                            .await;
-                            if let Err(e) = wired {
-                                let (h, i) = (host.clone(), id.clone());
-                                let _ =
-                                    tokio::task::spawn_blocking(move || sandbox::destroy(&h, &i))
+                        };
+                        if let (Some(n), Some(rn)) = (&net, &run_net) {
+                            if rn.proxy_port.is_some() {
+                                match n.start_proxy(&id, rn).await {
+                                    Ok(h) => started.proxy = Some(h),
+                                    Err(e) => {
+                                        let (h, i) = (host.clone(), id.clone());
+                                        let _ = tokio::task::spawn_blocking(move || {
+                                            sandbox::destroy(&h, &i)
+                                        })
                                         .await;
-                                n.detach(&id).await;
-                                return Err((
-                                    500u16,
-                                    format!("network: {:#}", anyhow::Error::from(e)),
-                                ));
+                                        n.release(rn).await;
+                                        return Err((
+                                            500u16,
+                                            format!("network: {:#}", anyhow::Error::from(e)),
+                                        ));
+                                    }
+                                }
                             }
                         }
+                        started.net = run_net;
                         Ok(started)
                     }
                     .await;
@@ -539,6 +521,7 @@ impl Registry {
                             e.shim = Some(shim);
                             e.rec.status = Status::Running;
                             e.rec.image_env = started.image_env;
+                            e.rec.net = started.net;
                             e.proxy = started.proxy;
                         }
                         let persisted = self.persist(&id, None, "");
@@ -562,6 +545,13 @@ impl Registry {
                     }
                     (Ok(started), _) => {
                         // Deleted while it was being created.
+                        let mut started = *started;
+                        if let Some(p) = started.proxy.take() {
+                            p.abort();
+                        }
+                        if let Some(e) = self.runs.get_mut(&id) {
+                            e.rec.net = started.net.take();
+                        }
                         let mut child = started.child;
                         tokio::spawn(async move {
                             let _ = child.wait().await;
@@ -822,8 +812,15 @@ impl Registry {
                         if let Some(n) = net {
                             // Every run is gone: so are their links, and the bridges.
                             n.reconcile(&[]).await;
+                            n.drain_pool().await;
                             n.teardown().await;
                         }
+                        let _ = reply.send(());
+                    });
+                } else if let Ok(n) = self.net.clone() {
+                    // Runs stay for the next start; the ready pool does not.
+                    tokio::spawn(async move {
+                        n.drain_pool().await;
                         let _ = reply.send(());
                     });
                 } else {
@@ -913,8 +910,13 @@ impl Registry {
             }
         }
         if let Ok(n) = &self.net {
-            let (n, live) = (n.clone(), adopted.clone());
-            tokio::spawn(async move { n.reconcile(&live).await });
+            let nets: Vec<crate::network::RunNet> = adopted
+                .iter()
+                .filter_map(|id| self.runs.get(id).and_then(|e| e.rec.net.clone()))
+                .collect();
+            n.adopt(&nets);
+            let n = n.clone();
+            tokio::spawn(async move { n.reconcile(&nets).await });
         }
         // Everything on disk, in cgroups or in the process table that no
         // live record owns is an orphan.

@@ -102,7 +102,13 @@ fn image_err(e: super::files::FileError) -> SandboxError {
 }
 
 /// Lays out the run directory and its root; blocking.
-fn prepare(host: &Host, id: &str, plan: &CreatePlan, root: &Root) -> Result<RunSpec, SandboxError> {
+fn prepare(
+    host: &Host,
+    id: &str,
+    plan: &CreatePlan,
+    root: &Root,
+    netns: Option<PathBuf>,
+) -> Result<RunSpec, SandboxError> {
     let paths = host.paths(id);
     let rootfs = paths.rootfs();
     let err = |source| SandboxError::Rootfs {
@@ -172,6 +178,7 @@ fn prepare(host: &Host, id: &str, plan: &CreatePlan, root: &Root) -> Result<RunS
         ro_binds,
         swap_accounting: host.layout.swap_accounting(),
         nofile: spec::nofile_limit(),
+        netns,
     })
 }
 
@@ -183,16 +190,20 @@ pub struct Started {
     pub image_env: Vec<(String, String)>,
     /// The run's egress proxy (allowlist tier), set once networking is up.
     pub proxy: Option<tokio::task::JoinHandle<()>>,
+    /// The network the run took from the pool (networked tiers).
+    pub net: Option<crate::network::RunNet>,
 }
 
-/// Creates the run: root, bundle, shim. On error everything is torn down.
+/// Creates the run: root, bundle, shim. `netns` is a prepared network
+/// namespace to join (networked tiers). On error everything is torn down.
 pub async fn create(
     host: &Host,
     id: &str,
     plan: &CreatePlan,
     root: Root,
+    netns: Option<PathBuf>,
 ) -> Result<Started, SandboxError> {
-    let result = create_inner(host, id, plan, root).await;
+    let result = create_inner(host, id, plan, root, netns).await;
     if result.is_err() {
         let (h, i) = (host.clone(), id.to_string());
         let _ = tokio::task::spawn_blocking(move || destroy(&h, &i)).await;
@@ -205,13 +216,14 @@ async fn create_inner(
     id: &str,
     plan: &CreatePlan,
     root: Root,
+    netns: Option<PathBuf>,
 ) -> Result<Started, SandboxError> {
     let image_env = match &root {
         Root::Host => Vec::new(),
         Root::Layers { env, .. } => env.clone(),
     };
     let (h, i, p) = (host.clone(), id.to_string(), plan.clone());
-    let spec = tokio::task::spawn_blocking(move || prepare(&h, &i, &p, &root))
+    let spec = tokio::task::spawn_blocking(move || prepare(&h, &i, &p, &root, netns))
         .await
         .map_err(|e| SandboxError::Shim(e.to_string()))??;
     let paths = host.paths(id);
@@ -254,6 +266,7 @@ async fn create_inner(
         child,
         image_env,
         proxy: None,
+        net: None,
     })
 }
 

@@ -314,7 +314,9 @@ impl Drop for Daemon {
     fn drop(&mut self) {
         // Leave nothing behind: stop the daemon with its runs.
         self.kill9();
-        self.extra.push("--stop-runs-on-exit".into());
+        if !self.extra.iter().any(|a| a == "--stop-runs-on-exit") {
+            self.extra.push("--stop-runs-on-exit".into());
+        }
         if self.state.join("token").exists() {
             self.spawn();
             self.sigterm();
