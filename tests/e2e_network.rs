@@ -313,6 +313,13 @@ fn allowlist_tier_admits_only_the_list_through_the_proxy() {
     assert!(out(&v).contains("unreachable"), "{v}");
     // CONNECT to what must never be reached.
     let (_, run_b) = d.call(Method::GET, &format!("/v1/runs/{b}"), None);
+    // Its bridge port is isolated (sent with set_port; set() silently drops it).
+    let link = run_b["link"].as_str().expect("link");
+    let port = sh(&format!(
+        "ip netns exec {} bridge -d link show dev {link}",
+        w.d
+    ));
+    assert!(port.contains("isolated on"), "{port}");
     assert_eq!(run_b["egressAllow"], json!(["denied.test"]));
     let b_ip = run_b["address"].as_str().expect("address").to_string();
     assert_eq!(

@@ -84,21 +84,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn names_fit_ifnamsiz_and_differ_per_daemon_and_run() {
+    fn names_fit_ifnamsiz_and_differ_per_daemon_and_slot() {
         let a = Names::new("1a2b3c4d");
         let b = Names::new("deadbeef");
-        let run = "01JZ0000000000000000000000";
+        let slot = a.slot("01JZ0000000000000000000000");
+        assert_eq!(slot.len(), 10);
         for n in [
             a.bridge(Tier::Allowlist),
             a.bridge(Tier::Open),
-            a.veth(run),
-            a.peer(run),
+            a.veth(&slot),
+            a.peer(&slot),
         ] {
             assert!(n.len() <= 15, "{n}");
         }
-        assert_ne!(a.veth(run), b.veth(run));
-        assert_ne!(a.veth(run), a.veth("01JZ0000000000000000000001"));
-        assert!(a.run_table(run).starts_with(&a.run_table_prefix()));
+        assert_ne!(a.slot("x"), b.slot("x"));
+        assert_ne!(a.slot("x"), a.slot("y"));
+        assert!(a.run_table(&slot).starts_with(&a.run_table_prefix()));
+        assert!(!b.run_table(&slot).starts_with(&a.run_table_prefix()));
         assert_eq!(a.bridge(Tier::Allowlist), "sbxa1a2b3c4d");
     }
 }
