@@ -135,6 +135,12 @@ async fn run(cfg: Config, state_dir: std::path::PathBuf) -> anyhow::Result<()> {
         st.shutting_down.store(true, Ordering::Relaxed);
         tracing::info!("shutting down");
     };
+    // Small SSE frames must not wait for delayed ACKs (Nagle): ~40 ms each.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY");
+        }
+    });
     let server = axum::serve(listener, api::router(state.clone())).with_graceful_shutdown(shutdown);
     let served = server.await;
     reaper.abort();

@@ -223,11 +223,14 @@ async fn create_inner(
         Root::Layers { env, .. } => env.clone(),
     };
     let (h, i, p) = (host.clone(), id.to_string(), plan.clone());
+    let t0 = std::time::Instant::now();
     let spec = tokio::task::spawn_blocking(move || prepare(&h, &i, &p, &root, netns))
         .await
         .map_err(|e| SandboxError::Shim(e.to_string()))??;
     let paths = host.paths(id);
+    let t_prepare = t0.elapsed();
     spec::write_bundle(&paths.bundle(), &spec).map_err(SandboxError::Bundle)?;
+    let t_bundle = t0.elapsed();
     let log = std::fs::File::create(paths.shim_log()).map_err(SandboxError::Spawn)?;
     let mut child = tokio::process::Command::new(&host.self_exe)
         .arg("shim")
@@ -261,6 +264,13 @@ async fn create_inner(
         return Err(SandboxError::Shim(msg.to_string()));
     }
     let shim = ShimState::load(&paths).map_err(SandboxError::ShimState)?;
+    tracing::debug!(
+        run = id,
+        prepare_us = t_prepare.as_micros() as u64,
+        bundle_us = t_bundle.as_micros() as u64,
+        shim_ready_us = t0.elapsed().as_micros() as u64,
+        "sandbox created"
+    );
     Ok(Started {
         shim,
         child,
@@ -274,6 +284,7 @@ async fn create_inner(
 /// behind, any number of times.
 pub fn destroy(host: &Host, id: &str) -> Result<(), SandboxError> {
     let paths = host.paths(id);
+    let t0 = Instant::now();
     if let Ok(state) = ShimState::load(&paths) {
         stop_shim(&state);
     } else {
@@ -284,8 +295,10 @@ pub fn destroy(host: &Host, id: &str) -> Result<(), SandboxError> {
             let _ = kill(Pid::from_raw(pid.0), Signal::SIGKILL);
         }
     }
+    let t_shim = t0.elapsed();
     cgroups::destroy_tree(&host.layout, &host.cgroup(id), Duration::from_secs(5))
         .map_err(SandboxError::Cgroups)?;
+    let t_cgroups = t0.elapsed();
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     let mut mounts = sbx_images::overlay::mounts_under(&mountinfo, &paths.dir);
     mounts.sort_by_key(|m| std::cmp::Reverse(m.components().count()));
@@ -296,7 +309,17 @@ pub fn destroy(host: &Host, id: &str) -> Result<(), SandboxError> {
     if !sbx_images::overlay::mounts_under(&mountinfo, &paths.dir).is_empty() {
         return Err(SandboxError::MountsRemain(paths.dir));
     }
-    match std::fs::remove_dir_all(&paths.dir) {
+    let t_mounts = t0.elapsed();
+    let removed = std::fs::remove_dir_all(&paths.dir);
+    tracing::debug!(
+        run = id,
+        shim_us = t_shim.as_micros() as u64,
+        cgroups_us = t_cgroups.as_micros() as u64,
+        mounts_us = t_mounts.as_micros() as u64,
+        total_us = t0.elapsed().as_micros() as u64,
+        "sandbox destroyed"
+    );
+    match removed {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
         Err(source) => Err(SandboxError::Remove {
