@@ -190,7 +190,7 @@ pub fn write(
         return Err(FileError::BadPath("a file name is required".into()));
     };
     let root = open_root(rootfs)?;
-    let mut dir = openat2(
+    let work = openat2(
         &root,
         "work",
         OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
@@ -201,30 +201,11 @@ pub fn write(
         Some(rustix::fs::Uid::from_raw(uid)),
         Some(rustix::fs::Gid::from_raw(gid)),
     );
-    for c in parents {
-        let open = |d: &OwnedFd| {
-            openat2(
-                d,
-                c.as_str(),
-                OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
-                Mode::empty(),
-                beneath(),
-            )
-        };
-        dir = match open(&dir) {
-            Ok(fd) => fd,
-            Err(rustix::io::Errno::NOENT) => {
-                let d = reopen(&dir, OFlags::RDONLY | OFlags::DIRECTORY)?;
-                match rustix::fs::mkdirat(&d, c.as_str(), Mode::from_raw_mode(0o755)) {
-                    Ok(()) | Err(rustix::io::Errno::EXIST) => {}
-                    Err(e) => return Err(e.into()),
-                }
-                rustix::fs::chownat(&d, c.as_str(), owner.0, owner.1, AtFlags::SYMLINK_NOFOLLOW)?;
-                open(&dir)?
-            }
-            Err(e) => return Err(e.into()),
-        };
-    }
+    // Parents it creates belong to the run's user.
+    let dir = walk_create(work, parents, |parent, c| {
+        rustix::fs::chownat(parent, c, owner.0, owner.1, AtFlags::SYMLINK_NOFOLLOW)?;
+        Ok(())
+    })?;
     let d = reopen(&dir, OFlags::RDONLY | OFlags::DIRECTORY)?;
     let tmp = format!(".{name}.sbx-{:016x}", rand::random::<u64>());
     let fd = rustix::fs::openat(
@@ -258,41 +239,17 @@ pub fn ensure_dir(
     owner: Option<(u32, u32)>,
 ) -> Result<OwnedFd, FileError> {
     let comps = components(rel)?;
-    let mut dir = open_root(rootfs)?;
-    let last = comps.len();
-    for (i, c) in comps.iter().enumerate() {
-        let open = |d: &OwnedFd| {
-            openat2(
-                d,
-                c.as_str(),
-                OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
-                Mode::empty(),
-                beneath(),
-            )
-        };
-        dir = match open(&dir) {
-            Ok(fd) => fd,
-            Err(rustix::io::Errno::NOENT) => {
-                let d = reopen(&dir, OFlags::RDONLY | OFlags::DIRECTORY)?;
-                match rustix::fs::mkdirat(&d, c.as_str(), Mode::from_raw_mode(0o755)) {
-                    Ok(()) | Err(rustix::io::Errno::EXIST) => {}
-                    Err(e) => return Err(e.into()),
-                }
-                open(&dir)?
-            }
-            Err(e) => return Err(e.into()),
-        };
-        if i + 1 == last {
-            let d = reopen(&dir, OFlags::RDONLY | OFlags::DIRECTORY)?;
-            if let Some((uid, gid)) = owner {
-                rustix::fs::fchown(
-                    &d,
-                    Some(rustix::fs::Uid::from_raw(uid)),
-                    Some(rustix::fs::Gid::from_raw(gid)),
-                )?;
-            }
-            rustix::fs::fchmod(&d, Mode::from_raw_mode(mode))?;
+    let dir = walk_create(open_root(rootfs)?, &comps, |_, _| Ok(()))?;
+    if !comps.is_empty() {
+        let d = reopen(&dir, OFlags::RDONLY | OFlags::DIRECTORY)?;
+        if let Some((uid, gid)) = owner {
+            rustix::fs::fchown(
+                &d,
+                Some(rustix::fs::Uid::from_raw(uid)),
+                Some(rustix::fs::Gid::from_raw(gid)),
+            )?;
         }
+        rustix::fs::fchmod(&d, Mode::from_raw_mode(mode))?;
     }
     Ok(dir)
 }
@@ -328,11 +285,20 @@ pub fn write_root_file(rootfs: &Path, rel: &str, data: &[u8], mode: u32) -> Resu
     })
 }
 
-/// Like [`ensure_dir`] but leaves an existing directory's mode alone.
+/// Like [`ensure_dir`] but leaves modes and owners alone.
 fn ensure_dir_keep(rootfs: &Path, rel: &str) -> Result<OwnedFd, FileError> {
-    let comps = components(rel)?;
-    let mut dir = open_root(rootfs)?;
-    for c in &comps {
+    walk_create(open_root(rootfs)?, &components(rel)?, |_, _| Ok(()))
+}
+
+/// Walks `comps` down from `dir`, creating missing directories (0755) and
+/// never passing through a symlink; `created(parent, name)` runs for each
+/// directory it makes.
+fn walk_create(
+    mut dir: OwnedFd,
+    comps: &[String],
+    mut created: impl FnMut(&std::fs::File, &str) -> Result<(), FileError>,
+) -> Result<OwnedFd, FileError> {
+    for c in comps {
         let open = |d: &OwnedFd| {
             openat2(
                 d,
@@ -345,9 +311,10 @@ fn ensure_dir_keep(rootfs: &Path, rel: &str) -> Result<OwnedFd, FileError> {
         dir = match open(&dir) {
             Ok(fd) => fd,
             Err(rustix::io::Errno::NOENT) => {
-                let d = reopen(&dir, OFlags::RDONLY | OFlags::DIRECTORY)?;
-                match rustix::fs::mkdirat(&d, c.as_str(), Mode::from_raw_mode(0o755)) {
-                    Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+                let parent = reopen(&dir, OFlags::RDONLY | OFlags::DIRECTORY)?;
+                match rustix::fs::mkdirat(&parent, c.as_str(), Mode::from_raw_mode(0o755)) {
+                    Ok(()) => created(&parent, c)?,
+                    Err(rustix::io::Errno::EXIST) => {}
                     Err(e) => return Err(e.into()),
                 }
                 open(&dir)?
