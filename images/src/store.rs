@@ -351,13 +351,16 @@ impl ImageStore {
         std::fs::create_dir(&staging).map_err(io_err(&staging))?;
         let file = std::fs::File::open(blob).map_err(io_err(blob))?;
         let file = std::io::BufReader::with_capacity(1 << 20, file);
+        // Inflate on a thread of its own so decompression and file writes overlap.
         let result = match compression {
             Compression::None => unpack::unpack(file, &staging, self.limits),
-            Compression::Gzip => {
-                unpack::unpack(flate2::read::GzDecoder::new(file), &staging, self.limits)
-            }
+            Compression::Gzip => unpack::unpack(
+                pipelined(flate2::read::GzDecoder::new(file)),
+                &staging,
+                self.limits,
+            ),
             Compression::Zstd => match zstd::stream::read::Decoder::new(file) {
-                Ok(d) => unpack::unpack(d, &staging, self.limits),
+                Ok(d) => unpack::unpack(pipelined(d), &staging, self.limits),
                 Err(e) => Err(unpack::UnpackError::Read(e)),
             },
         };
@@ -479,7 +482,9 @@ impl ImageStore {
             progress: progress.clone(),
         };
         // pull_blob verifies the digest of what it streams.
+        let t0 = std::time::Instant::now();
         let fetched = client.pull_blob(r, layer, &mut writer).await;
+        let t_fetch = t0.elapsed();
         if let Err(e) = fetched {
             let _ = tokio::fs::remove_file(&blob).await;
             return Err(ImageError::Pull {
@@ -499,6 +504,7 @@ impl ImageStore {
             });
         }
         let (store, d, b) = (self.clone(), digest.clone(), blob.clone());
+        let t1 = std::time::Instant::now();
         let res = tokio::task::spawn_blocking(move || store.register_layer(&d, &b, compression))
             .await
             .map_err(|e| ImageError::Pull {
@@ -507,6 +513,7 @@ impl ImageStore {
             })?;
         let _ = tokio::fs::remove_file(&blob).await;
         res?;
+        tracing::debug!(layer = %digest, bytes = total, fetch_ms = t_fetch.as_millis() as u64, unpack_ms = t1.elapsed().as_millis() as u64, "layer stored");
         if let Some(p) = &progress {
             p(Progress {
                 layer: digest,
@@ -655,6 +662,59 @@ impl ImageStore {
             out.push(rec);
         }
         Ok(out)
+    }
+}
+
+/// A reader fed by another thread that reads `src` ahead in 1 MiB chunks.
+struct Pipelined {
+    rx: std::sync::mpsc::Receiver<std::io::Result<Vec<u8>>>,
+    buf: Vec<u8>,
+    pos: usize,
+}
+
+fn pipelined(mut src: impl Read + Send + 'static) -> Pipelined {
+    let (tx, rx) = std::sync::mpsc::sync_channel(8);
+    std::thread::spawn(move || loop {
+        let mut chunk = vec![0u8; 1 << 20];
+        match src.read(&mut chunk) {
+            Ok(0) => return,
+            Ok(n) => {
+                chunk.truncate(n);
+                // The reader gave up (an unpack error): stop.
+                if tx.send(Ok(chunk)).is_err() {
+                    return;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                let _ = tx.send(Err(e));
+                return;
+            }
+        }
+    });
+    Pipelined {
+        rx,
+        buf: Vec::new(),
+        pos: 0,
+    }
+}
+
+impl Read for Pipelined {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        if self.pos == self.buf.len() {
+            match self.rx.recv() {
+                Ok(Ok(chunk)) => {
+                    self.buf = chunk;
+                    self.pos = 0;
+                }
+                Ok(Err(e)) => return Err(e),
+                Err(_) => return Ok(0),
+            }
+        }
+        let n = out.len().min(self.buf.len() - self.pos);
+        out[..n].copy_from_slice(&self.buf[self.pos..self.pos + n]);
+        self.pos += n;
+        Ok(n)
     }
 }
 

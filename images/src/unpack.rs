@@ -174,6 +174,7 @@ pub fn unpack(reader: impl Read, root: &Path, limits: Limits) -> Result<Stats, U
     let mut stats = Stats::default();
     let mut archive = tar::Archive::new(reader);
     let mut dir_times: Vec<(Vec<String>, i64)> = Vec::new();
+    let mut cache: Option<(Vec<String>, OwnedFd)> = None;
     for entry in archive.entries().map_err(UnpackError::Read)? {
         let mut entry = entry.map_err(UnpackError::Read)?;
         stats.entries += 1;
@@ -192,11 +193,19 @@ pub fn unpack(reader: impl Read, root: &Path, limits: Limits) -> Result<Stats, U
         let uid = header.uid().unwrap_or(0) as u32;
         let gid = header.gid().unwrap_or(0) as u32;
         let mtime = header.mtime().unwrap_or(0) as i64;
-        let dir = open_dir(&root_fd, parents, &raw)?;
+        // Tar entries come grouped by directory: keep the parent's fd. An
+        // entry only ever removes children of its own parent, never the
+        // cached path itself, so the cached fd cannot go stale.
+        if cache.as_ref().is_none_or(|(p, _)| p.as_slice() != parents) {
+            cache = Some((parents.to_vec(), open_dir(&root_fd, parents, &raw)?));
+        }
+        let Some((_, dir)) = cache.as_ref() else {
+            continue;
+        };
         // OCI whiteouts.
         if name == ".wh..wh..opq" {
             rustix::fs::setxattr(
-                format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(&dir)).as_str(),
+                format!("/proc/self/fd/{}", std::os::fd::AsRawFd::as_raw_fd(dir)).as_str(),
                 "trusted.overlay.opaque",
                 b"y",
                 rustix::fs::XattrFlags::empty(),
@@ -208,9 +217,9 @@ pub fn unpack(reader: impl Read, root: &Path, limits: Limits) -> Result<Stats, U
             if hidden.is_empty() || hidden == "." || hidden == ".." {
                 return Err(bad(&raw, "bad whiteout"));
             }
-            remove_existing(&dir, hidden, &raw)?;
+            remove_existing(dir, hidden, &raw)?;
             rustix::fs::mknodat(
-                &dir,
+                dir,
                 hidden,
                 rustix::fs::FileType::CharacterDevice,
                 Mode::empty(),
@@ -226,21 +235,21 @@ pub fn unpack(reader: impl Read, root: &Path, limits: Limits) -> Result<Stats, U
         );
         match kind {
             tar::EntryType::Directory => {
-                match rustix::fs::statat(&dir, name.as_str(), AtFlags::SYMLINK_NOFOLLOW) {
+                match rustix::fs::statat(dir, name.as_str(), AtFlags::SYMLINK_NOFOLLOW) {
                     Ok(st) if st.st_mode & libc::S_IFMT == libc::S_IFDIR => {}
                     Ok(_) => {
-                        remove_existing(&dir, name, &raw)?;
-                        rustix::fs::mkdirat(&dir, name.as_str(), Mode::from_raw_mode(0o755))
+                        remove_existing(dir, name, &raw)?;
+                        rustix::fs::mkdirat(dir, name.as_str(), Mode::from_raw_mode(0o755))
                             .map_err(|e| werr(&raw, e))?;
                     }
                     Err(_) => {
-                        rustix::fs::mkdirat(&dir, name.as_str(), Mode::from_raw_mode(0o755))
+                        rustix::fs::mkdirat(dir, name.as_str(), Mode::from_raw_mode(0o755))
                             .map_err(|e| werr(&raw, e))?;
                     }
                 }
-                set_owner(&dir, name, owner, &raw)?;
+                set_owner(dir, name, owner, &raw)?;
                 rustix::fs::chmodat(
-                    &dir,
+                    dir,
                     name.as_str(),
                     Mode::from_raw_mode(mode),
                     AtFlags::empty(),
@@ -249,9 +258,9 @@ pub fn unpack(reader: impl Read, root: &Path, limits: Limits) -> Result<Stats, U
                 dir_times.push((comps.clone(), mtime));
             }
             tar::EntryType::Regular | tar::EntryType::Continuous => {
-                remove_existing(&dir, name, &raw)?;
+                remove_existing(dir, name, &raw)?;
                 let fd = rustix::fs::openat(
-                    &dir,
+                    dir,
                     name.as_str(),
                     OFlags::WRONLY
                         | OFlags::CREATE
@@ -298,10 +307,10 @@ pub fn unpack(reader: impl Read, root: &Path, limits: Limits) -> Result<Stats, U
                     .ok_or_else(|| bad(&raw, "symlink without a target"))?;
                 // The target is only ever resolved inside the run's root; the
                 // link itself is created beneath the layer root.
-                remove_existing(&dir, name, &raw)?;
-                rustix::fs::symlinkat(target.as_str(), &dir, name.as_str())
+                remove_existing(dir, name, &raw)?;
+                rustix::fs::symlinkat(target.as_str(), dir, name.as_str())
                     .map_err(|e| werr(&raw, e))?;
-                set_owner(&dir, name, owner, &raw)?;
+                set_owner(dir, name, owner, &raw)?;
             }
             tar::EntryType::Link => {
                 let target = entry
@@ -318,21 +327,21 @@ pub fn unpack(reader: impl Read, root: &Path, limits: Limits) -> Result<Stats, U
                 if st.st_mode & libc::S_IFMT == libc::S_IFDIR {
                     return Err(bad(&raw, "hardlink to a directory"));
                 }
-                remove_existing(&dir, name, &raw)?;
-                rustix::fs::linkat(&tdir, tname.as_str(), &dir, name.as_str(), AtFlags::empty())
+                remove_existing(dir, name, &raw)?;
+                rustix::fs::linkat(&tdir, tname.as_str(), dir, name.as_str(), AtFlags::empty())
                     .map_err(|e| werr(&raw, e))?;
             }
             tar::EntryType::Fifo => {
-                remove_existing(&dir, name, &raw)?;
+                remove_existing(dir, name, &raw)?;
                 rustix::fs::mknodat(
-                    &dir,
+                    dir,
                     name.as_str(),
                     rustix::fs::FileType::Fifo,
                     Mode::from_raw_mode(mode),
                     0,
                 )
                 .map_err(|e| werr(&raw, e))?;
-                set_owner(&dir, name, owner, &raw)?;
+                set_owner(dir, name, owner, &raw)?;
             }
             tar::EntryType::Char | tar::EntryType::Block => {
                 stats.skipped_devices += 1;
