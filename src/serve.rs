@@ -65,12 +65,25 @@ async fn run(cfg: Config, state_dir: std::path::PathBuf) -> anyhow::Result<()> {
     // Shims and exec helpers are this binary; resolve it once.
     let self_exe = std::fs::canonicalize("/proc/self/exe")?;
     let init_binary = sbx_runtime::init::install(&state_dir.join("bin"))?;
+    // Compiled once: an exec loads the program instead of building it (~1 ms).
+    let seccomp_bpf = match sbx_runtime::seccomp::export_bpf() {
+        Ok(prog) => {
+            let path = state_dir.join("bin/seccomp.bpf");
+            sbx_runtime::write_atomic(&path, &prog)?;
+            Some(path)
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "precompiling seccomp failed; each exec compiles it");
+            None
+        }
+    };
     let host = Arc::new(Host {
         cgroup_parent: cgroup_parent(&state_dir),
         state_dir: state_dir.clone(),
         layout,
         self_exe,
         init_binary,
+        seccomp_bpf,
     });
     sbx_runtime::cgroups::create(&host.layout, &host.cgroup_parent)?;
     if !cfg.egress_allow.is_empty() {

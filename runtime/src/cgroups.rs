@@ -222,6 +222,47 @@ pub fn join(layout: &Layout, rel: &str, pid: u32) -> Result<(), CgroupError> {
     Ok(())
 }
 
+/// Moves `pid` into the exec cgroup `exec_rel` (a child of the run's).
+/// It is created where it is needed to kill the exec's processes — the v2
+/// tree, or the v1 freezer and pids hierarchies; in every other v1 hierarchy
+/// the exec joins the run's own cgroup, which saves a mkdir per hierarchy
+/// and keeps it under the run's limits all the same.
+pub fn join_exec(layout: &Layout, exec_rel: &str, pid: u32) -> Result<(), CgroupError> {
+    let run_rel = exec_rel
+        .rsplit_once('/')
+        .map(|(p, _)| p)
+        .unwrap_or(exec_rel);
+    let targets: Vec<PathBuf> = match layout {
+        Layout::V2 { .. } => create(layout, exec_rel)?,
+        Layout::V1 { hierarchies } => {
+            let mut out: Vec<PathBuf> = Vec::new();
+            for h in hierarchies {
+                let killing = h.controllers.iter().any(|c| c == "freezer" || c == "pids");
+                let dir = if killing {
+                    let d = h.mount_point.join(exec_rel.trim_start_matches('/'));
+                    match fs::create_dir(&d) {
+                        Ok(()) => inherit_cpuset(&d)?,
+                        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                        Err(source) => return Err(CgroupError::Create { path: d, source }),
+                    }
+                    d
+                } else {
+                    h.mount_point.join(run_rel.trim_start_matches('/'))
+                };
+                if !out.contains(&dir) {
+                    out.push(dir);
+                }
+            }
+            out
+        }
+    };
+    for d in targets {
+        let path = d.join("cgroup.procs");
+        fs::write(&path, pid.to_string()).map_err(|source| CgroupError::Write { path, source })?;
+    }
+    Ok(())
+}
+
 /// Every pid in the subtree of `dir`.
 pub fn pids_in_tree(dir: &Path) -> Vec<i32> {
     let mut out = Vec::new();
@@ -519,6 +560,27 @@ mod tests {
             fs::read_to_string(child.join("cpuset.mems")).expect("read"),
             "0"
         );
+    }
+
+    #[test]
+    fn v1_exec_cgroups_are_made_only_where_killing_needs_them() {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let mut hierarchies = Vec::new();
+        for c in ["memory", "freezer", "pids"] {
+            let mp = tmp.path().join(c);
+            fs::create_dir_all(mp.join("sbx-1/run")).expect("run cgroup");
+            hierarchies.push(Hierarchy {
+                mount_point: mp,
+                controllers: vec![c.to_string()],
+            });
+        }
+        let l = Layout::V1 { hierarchies };
+        join_exec(&l, "/sbx-1/run/exec-1", 4242).expect("join");
+        let read = |p: &str| fs::read_to_string(tmp.path().join(p)).unwrap_or_default();
+        assert_eq!(read("memory/sbx-1/run/cgroup.procs"), "4242");
+        assert!(!tmp.path().join("memory/sbx-1/run/exec-1").exists());
+        assert_eq!(read("freezer/sbx-1/run/exec-1/cgroup.procs"), "4242");
+        assert_eq!(read("pids/sbx-1/run/exec-1/cgroup.procs"), "4242");
     }
 
     #[test]

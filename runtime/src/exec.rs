@@ -36,6 +36,10 @@ pub struct ExecRequest {
     pub cwd: String,
     pub uid: u32,
     pub gid: u32,
+    /// The seccomp profile precompiled to BPF (see `seccomp::export_bpf`);
+    /// compiled here when absent.
+    #[serde(default)]
+    pub seccomp_bpf: Option<std::path::PathBuf>,
 }
 
 /// Exit status the helper uses when it could not start the command.
@@ -82,11 +86,22 @@ pub fn helper_main() -> i32 {
         Ok(l) => l,
         Err(e) => return fail(EXIT_CANNOT_ENTER, &format!("cgroups: {e}")),
     };
-    if let Err(e) = cgroups::create(&layout, &req.cgroup)
-        .and_then(|_| cgroups::join(&layout, &req.cgroup, std::process::id()))
-    {
+    if let Err(e) = cgroups::join_exec(&layout, &req.cgroup, std::process::id()) {
         return fail(EXIT_CANNOT_ENTER, &format!("join exec cgroup: {e}"));
     }
+    // Read on the host's side, before entering the run's mount namespace.
+    let bpf = match &req.seccomp_bpf {
+        Some(p) => match std::fs::read(p) {
+            Ok(b) => Some(b),
+            Err(e) => {
+                return fail(
+                    EXIT_CANNOT_ENTER,
+                    &format!("seccomp profile {}: {e}", p.display()),
+                )
+            }
+        },
+        None => None,
+    };
     let pidfd = match pidfd_open(req.init_pid) {
         Ok(fd) => fd,
         Err(e) => return fail(EXIT_CANNOT_ENTER, &format!("run is not running: {e}")),
@@ -110,7 +125,7 @@ pub fn helper_main() -> i32 {
     match unsafe { fork() } {
         Err(e) => fail(EXIT_CANNOT_ENTER, &format!("fork in run: {e}")),
         Ok(ForkResult::Child) => {
-            let code = child(&req);
+            let code = child(&req, bpf.as_deref());
             // SAFETY: _exit is always safe; no destructors should run in the child.
             unsafe { libc::_exit(code) }
         }
@@ -142,6 +157,40 @@ fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
+/// Installs a classic BPF seccomp program (libseccomp's export format:
+/// native-endian `sock_filter` records). `no_new_privs` must already be set.
+fn load_bpf(prog: &[u8]) -> std::io::Result<()> {
+    if prog.is_empty() || !prog.len().is_multiple_of(8) || prog.len() / 8 > usize::from(u16::MAX) {
+        return Err(std::io::Error::other("malformed BPF program"));
+    }
+    let mut filters: Vec<libc::sock_filter> = prog
+        .chunks_exact(8)
+        .map(|c| libc::sock_filter {
+            code: u16::from_ne_bytes([c[0], c[1]]),
+            jt: c[2],
+            jf: c[3],
+            k: u32::from_ne_bytes([c[4], c[5], c[6], c[7]]),
+        })
+        .collect();
+    let fprog = libc::sock_fprog {
+        len: filters.len() as u16,
+        filter: filters.as_mut_ptr(),
+    };
+    // SAFETY: `fprog` points at `filters`, which outlives the call; the
+    // kernel copies the program and validates it.
+    let rc = unsafe {
+        libc::prctl(
+            libc::PR_SET_SECCOMP,
+            libc::SECCOMP_MODE_FILTER,
+            &fprog as *const libc::sock_fprog,
+        )
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 fn lookup_path(argv0: &str, env: &[String]) -> Option<String> {
     if argv0.contains('/') {
         return Some(argv0.to_string());
@@ -157,7 +206,7 @@ fn lookup_path(argv0: &str, env: &[String]) -> Option<String> {
 }
 
 /// Runs in the forked child, inside the run's namespaces; returns only on error.
-fn child(req: &ExecRequest) -> i32 {
+fn child(req: &ExecRequest, bpf: Option<&[u8]>) -> i32 {
     // Drop the bounding set while we still hold CAP_SETPCAP.
     for cap in caps::all() {
         let _ = caps::drop(None, caps::CapSet::Bounding, cap);
@@ -204,7 +253,11 @@ fn child(req: &ExecRequest) -> i32 {
     if let Err(e) = nix::sys::prctl::set_no_new_privs() {
         return fail(EXIT_CANNOT_ENTER, &format!("no_new_privs: {e}"));
     }
-    if let Err(e) = crate::seccomp::load() {
+    let loaded = match bpf {
+        Some(prog) => load_bpf(prog).map_err(|e| e.to_string()),
+        None => crate::seccomp::load().map_err(|e| e.to_string()),
+    };
+    if let Err(e) = loaded {
         return fail(EXIT_CANNOT_ENTER, &format!("seccomp: {e}"));
     }
     let err = nix::unistd::execve(&cpath, &argv, &env).err();
@@ -230,6 +283,7 @@ mod tests {
             cwd: "/work".into(),
             uid: 1000,
             gid: 1000,
+            seccomp_bpf: None,
         };
         let bytes = encode_request(&req);
         let len = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) as usize;

@@ -111,6 +111,24 @@ pub fn render_oci() -> Value {
 /// Loads the profile into the calling thread (the exec helper's child, right
 /// before `execve`). Sets `no_new_privs` as a side effect.
 pub fn load() -> Result<(), libseccomp::error::SeccompError> {
+    build()?.load()
+}
+
+/// The profile compiled to a classic BPF program (native endianness), so an
+/// exec can load it without compiling it again.
+pub fn export_bpf() -> Result<Vec<u8>, std::io::Error> {
+    use std::io::{Read, Seek};
+    let ctx = build().map_err(std::io::Error::other)?;
+    let fd = rustix::fs::memfd_create("sbx-seccomp", rustix::fs::MemfdFlags::CLOEXEC)?;
+    let mut f = std::fs::File::from(fd);
+    ctx.export_bpf(&f).map_err(std::io::Error::other)?;
+    f.seek(std::io::SeekFrom::Start(0))?;
+    let mut out = Vec::new();
+    f.read_to_end(&mut out)?;
+    Ok(out)
+}
+
+fn build() -> Result<libseccomp::ScmpFilterContext, libseccomp::error::SeccompError> {
     use libseccomp::{
         ScmpAction, ScmpArch, ScmpArgCompare, ScmpCompareOp, ScmpFilterContext, ScmpSyscall,
     };
@@ -140,12 +158,21 @@ pub fn load() -> Result<(), libseccomp::error::SeccompError> {
             )],
         )?;
     }
-    ctx.load()
+    Ok(ctx)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exports_a_whole_bpf_program() {
+        let bpf = export_bpf().expect("export");
+        // sock_filter entries are 8 bytes; the program ends with a return.
+        assert!(bpf.len().is_multiple_of(8));
+        assert!(bpf.len() / 8 > NAMESPACE_FLAGS.len() + DENIED.len() / 2);
+        assert!(bpf.len() / 8 <= 4096, "BPF_MAXINSNS");
+    }
 
     #[test]
     fn oci_profile_parses_and_denies_the_dangerous_calls() {

@@ -123,6 +123,7 @@ mod tests {
                 },
                 self_exe: "/nonexistent".into(),
                 init_binary: "/nonexistent".into(),
+                seccomp_bpf: None,
                 cgroup_parent: "/sbx-test".into(),
             }),
             server: "unit".into(),

@@ -82,6 +82,7 @@ pub async fn run(
         cwd: plan.cwd.unwrap_or_else(|| ticket.workdir.clone()),
         uid: ticket.uid,
         gid: ticket.gid,
+        seccomp_bpf: host.seccomp_bpf.clone(),
     };
     let started = Instant::now();
     let mut child = tokio::process::Command::new(&host.self_exe)

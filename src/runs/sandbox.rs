@@ -56,6 +56,8 @@ pub struct Host {
     pub self_exe: PathBuf,
     /// The static init every run gets as PID 1 (read-only bind).
     pub init_binary: PathBuf,
+    /// The seccomp profile compiled once to BPF, loaded by every exec.
+    pub seccomp_bpf: Option<PathBuf>,
     /// cgroup parent of this daemon's runs, e.g. `/sbx-1a2b3c4d`.
     pub cgroup_parent: String,
 }
