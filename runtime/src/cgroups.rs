@@ -350,22 +350,28 @@ pub fn kill_tree(layout: &Layout, rel: &str) -> Result<usize, CgroupError> {
 /// directory depth-first (rmdir of a non-empty cgroup fails, and so does
 /// libcontainer's delete when children exist).
 pub fn destroy_tree(layout: &Layout, rel: &str, wait: Duration) -> Result<(), CgroupError> {
-    kill_tree(layout, rel)?;
     let deadline = Instant::now() + wait;
-    for d in layout.dirs(rel) {
-        loop {
-            match remove_depth_first(&d) {
-                Ok(()) => break,
-                Err(e) if Instant::now() < deadline => {
-                    tracing::debug!(error = %e, "cgroup not empty yet");
-                    let _ = kill_tree(layout, rel);
-                    sleep(Duration::from_millis(5));
-                }
-                Err(e) => return Err(e),
-            }
+    // The caller usually killed the run's init already (its pid namespace
+    // takes everything with it): try to remove first, kill only if needed.
+    let mut last_kill: Option<Instant> = None;
+    loop {
+        let busy = layout
+            .dirs(rel)
+            .into_iter()
+            .find_map(|d| remove_depth_first(&d).err());
+        let Some(e) = busy else {
+            return Ok(());
+        };
+        if Instant::now() >= deadline {
+            return Err(e);
         }
+        if last_kill.is_none_or(|t| t.elapsed() > Duration::from_millis(50)) {
+            tracing::debug!(error = %e, "cgroup not empty yet; killing what is left");
+            let _ = kill_tree(layout, rel);
+            last_kill = Some(Instant::now());
+        }
+        sleep(Duration::from_micros(500));
     }
-    Ok(())
 }
 
 /// Removes `rel` and its descendants depth-first, without killing.

@@ -298,9 +298,21 @@ pub fn destroy(host: &Host, id: &str) -> Result<(), SandboxError> {
         }
     }
     let t_shim = t0.elapsed();
+    let shim_state = ShimState::load(&paths).ok();
     cgroups::destroy_tree(&host.layout, &host.cgroup(id), Duration::from_secs(5))
         .map_err(SandboxError::Cgroups)?;
     let t_cgroups = t0.elapsed();
+    // The init is gone; the shim records its exit in the run directory and
+    // leaves. Let it finish before the directory goes.
+    if let Some(st) = shim_state {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while st.shim_alive() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        if st.shim_alive() {
+            let _ = kill(Pid::from_raw(st.shim_pid), Signal::SIGKILL);
+        }
+    }
     let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     let mut mounts = sbx_images::overlay::mounts_under(&mountinfo, &paths.dir);
     mounts.sort_by_key(|m| std::cmp::Reverse(m.components().count()));
@@ -331,19 +343,14 @@ pub fn destroy(host: &Host, id: &str) -> Result<(), SandboxError> {
     }
 }
 
+/// Kills the run's init (its pid namespace goes with it) and tells the shim
+/// to exit; the cgroup removal that follows waits for the processes to go.
 fn stop_shim(state: &ShimState) {
-    if state.shim_alive() {
-        let _ = kill(Pid::from_raw(state.shim_pid), Signal::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(2);
-        while state.shim_alive() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        if state.shim_alive() {
-            let _ = kill(Pid::from_raw(state.shim_pid), Signal::SIGKILL);
-        }
-    }
     if state.init_alive() {
         let _ = kill(Pid::from_raw(state.init_pid), Signal::SIGKILL);
+    }
+    if state.shim_alive() {
+        let _ = kill(Pid::from_raw(state.shim_pid), Signal::SIGTERM);
     }
 }
 
