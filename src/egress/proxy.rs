@@ -311,39 +311,32 @@ async fn read_head(s: &mut TcpStream) -> std::io::Result<(Vec<u8>, Vec<u8>)> {
     }
 }
 
+/// Copies one way until EOF, an error, or nothing moves for `idle`; then
+/// shuts the writer so the other side sees the end.
+async fn copy_idle(
+    mut from: impl tokio::io::AsyncRead + Unpin,
+    mut to: impl tokio::io::AsyncWrite + Unpin,
+    idle: Duration,
+) {
+    let mut buf = vec![0u8; 32 * 1024];
+    loop {
+        match tokio::time::timeout(idle, from.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) | Err(_) => break,
+            Ok(Ok(n)) => {
+                if to.write_all(&buf[..n]).await.is_err() {
+                    break;
+                }
+            }
+        }
+    }
+    let _ = to.shutdown().await;
+}
+
 /// Copies both ways until either side closes or nothing moves for `idle`.
 async fn splice(a: TcpStream, b: TcpStream, idle: Duration) {
-    let (mut ar, mut aw) = a.into_split();
-    let (mut br, mut bw) = b.into_split();
-    let one = async move {
-        let mut buf = vec![0u8; 32 * 1024];
-        loop {
-            match tokio::time::timeout(idle, ar.read(&mut buf)).await {
-                Ok(Ok(0)) | Ok(Err(_)) | Err(_) => break,
-                Ok(Ok(n)) => {
-                    if bw.write_all(&buf[..n]).await.is_err() {
-                        break;
-                    }
-                }
-            }
-        }
-        let _ = bw.shutdown().await;
-    };
-    let two = async move {
-        let mut buf = vec![0u8; 32 * 1024];
-        loop {
-            match tokio::time::timeout(idle, br.read(&mut buf)).await {
-                Ok(Ok(0)) | Ok(Err(_)) | Err(_) => break,
-                Ok(Ok(n)) => {
-                    if aw.write_all(&buf[..n]).await.is_err() {
-                        break;
-                    }
-                }
-            }
-        }
-        let _ = aw.shutdown().await;
-    };
-    tokio::join!(one, two);
+    let (ar, aw) = a.into_split();
+    let (br, bw) = b.into_split();
+    tokio::join!(copy_idle(ar, bw, idle), copy_idle(br, aw, idle));
 }
 
 async fn handle(mut client: TcpStream, policy: Arc<Policy>) {
