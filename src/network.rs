@@ -225,12 +225,17 @@ impl Network {
         }
     }
 
+    /// The run's own proxy (allowlist tier).
+    pub fn proxy_url(&self, net: &RunNet) -> Option<String> {
+        net.proxy_port
+            .map(|port| format!("http://{}:{port}", self.allow.gateway()))
+    }
+
     /// Proxy variables for an allowlist run.
     pub fn proxy_env(&self, net: &RunNet) -> Vec<(String, String)> {
-        let Some(port) = net.proxy_port else {
+        let Some(url) = self.proxy_url(net) else {
             return Vec::new();
         };
-        let url = format!("http://{}:{port}", self.allow.gateway());
         let mut env: Vec<(String, String)> =
             ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"]
                 .iter()

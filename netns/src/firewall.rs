@@ -84,96 +84,129 @@ pub struct DaemonRules {
     pub proxy_ports: (u16, u16),
 }
 
-/// Replaces the daemon table atomically (add, delete, add in one batch).
+/// Queues `table` emptied and re-created (add, delete, add: the delete
+/// succeeds whether or not it existed), so a batch replaces it atomically.
+fn fresh_table(batch: &mut Batch, table: &Table) {
+    batch.add(table, MsgType::Add);
+    batch.add(table, MsgType::Del);
+    batch.add(table, MsgType::Add);
+}
+
+/// Queues a base chain with policy accept.
+fn base_chain<'a>(
+    batch: &mut Batch,
+    table: &'a Table,
+    name: &'static std::ffi::CStr,
+    hook: Hook,
+    prio: i32,
+    nat: bool,
+) -> Chain<'a> {
+    let mut chain = Chain::new(name, table);
+    chain.set_hook(hook, prio);
+    if nat {
+        chain.set_type(ChainType::Nat);
+    }
+    chain.set_policy(Policy::Accept);
+    batch.add(&chain, MsgType::Add);
+    chain
+}
+
+/// Queues one rule of `chain`, made by `build`.
+fn rule(batch: &mut Batch, chain: &Chain, build: impl FnOnce(&mut Rule)) {
+    let mut r = Rule::new(chain);
+    build(&mut r);
+    batch.add(&r, MsgType::Add);
+}
+
+fn drop_verdict(r: &mut Rule) {
+    r.add_expr(&nft_expr!(verdict drop));
+}
+
+/// Replaces the daemon table atomically.
 pub fn apply_daemon(r: &DaemonRules) -> Result<(), FirewallError> {
     let table = Table::new(&cname(&r.table)?, ProtoFamily::Inet);
     let (a, o) = (cname(&r.allow_bridge)?, cname(&r.open_bridge)?);
     let mut batch = Batch::new();
-    batch.add(&table, MsgType::Add);
-    batch.add(&table, MsgType::Del);
-    batch.add(&table, MsgType::Add);
+    fresh_table(&mut batch, &table);
 
-    let mut input = Chain::new(c"input", &table);
-    input.set_hook(Hook::In, 0);
-    input.set_policy(Policy::Accept);
-    batch.add(&input, MsgType::Add);
-    let mut rule = Rule::new(&input);
-    iif(&mut rule, &a);
-    rule.add_expr(&nft_expr!(meta nfproto));
-    rule.add_expr(&nft_expr!(cmp == libc::NFPROTO_IPV4 as u8));
-    rule.add_expr(&nft_expr!(payload ipv4 daddr));
-    rule.add_expr(&nft_expr!(cmp == r.allow_gateway));
-    rule.add_expr(&nft_expr!(meta l4proto));
-    rule.add_expr(&nft_expr!(cmp == libc::IPPROTO_TCP as u8));
-    rule.add_expr(&nft_expr!(payload tcp dport));
-    rule.add_expr(&nft_expr!(cmp >= r.proxy_ports.0.to_be()));
-    rule.add_expr(&nft_expr!(payload tcp dport));
-    rule.add_expr(&nft_expr!(cmp <= r.proxy_ports.1.to_be()));
-    rule.add_expr(&nft_expr!(verdict accept));
-    batch.add(&rule, MsgType::Add);
+    let input = base_chain(&mut batch, &table, c"input", Hook::In, 0, false);
+    rule(&mut batch, &input, |rule| {
+        iif(rule, &a);
+        rule.add_expr(&nft_expr!(meta nfproto));
+        rule.add_expr(&nft_expr!(cmp == libc::NFPROTO_IPV4 as u8));
+        rule.add_expr(&nft_expr!(payload ipv4 daddr));
+        rule.add_expr(&nft_expr!(cmp == r.allow_gateway));
+        rule.add_expr(&nft_expr!(meta l4proto));
+        rule.add_expr(&nft_expr!(cmp == libc::IPPROTO_TCP as u8));
+        rule.add_expr(&nft_expr!(payload tcp dport));
+        rule.add_expr(&nft_expr!(cmp >= r.proxy_ports.0.to_be()));
+        rule.add_expr(&nft_expr!(payload tcp dport));
+        rule.add_expr(&nft_expr!(cmp <= r.proxy_ports.1.to_be()));
+        rule.add_expr(&nft_expr!(verdict accept));
+    });
     for bridge in [&a, &o] {
-        let mut rule = Rule::new(&input);
-        iif(&mut rule, bridge);
-        rule.add_expr(&nft_expr!(verdict drop));
-        batch.add(&rule, MsgType::Add);
+        rule(&mut batch, &input, |rule| {
+            iif(rule, bridge);
+            drop_verdict(rule);
+        });
     }
 
-    let mut forward = Chain::new(c"forward", &table);
-    forward.set_hook(Hook::Forward, 0);
-    forward.set_policy(Policy::Accept);
-    batch.add(&forward, MsgType::Add);
-    let mut rule = Rule::new(&forward);
-    iif(&mut rule, &a);
-    rule.add_expr(&nft_expr!(verdict drop));
-    batch.add(&rule, MsgType::Add);
-    let mut rule = Rule::new(&forward);
-    oif(&mut rule, &a);
-    rule.add_expr(&nft_expr!(verdict drop));
-    batch.add(&rule, MsgType::Add);
-    let mut rule = Rule::new(&forward);
-    iif(&mut rule, &o);
-    oif(&mut rule, &o);
-    rule.add_expr(&nft_expr!(verdict drop));
-    batch.add(&rule, MsgType::Add);
-    let mut rule = Rule::new(&forward);
-    oif(&mut rule, &o);
-    rule.add_expr(&nft_expr!(ct state));
-    rule.add_expr(
-        &nft_expr!(bitwise mask (States::ESTABLISHED | States::RELATED).bits(), xor 0u32),
-    );
-    rule.add_expr(&nft_expr!(cmp != 0u32));
-    rule.add_expr(&nft_expr!(verdict accept));
-    batch.add(&rule, MsgType::Add);
-    let mut rule = Rule::new(&forward);
-    oif(&mut rule, &o);
-    rule.add_expr(&nft_expr!(verdict drop));
-    batch.add(&rule, MsgType::Add);
+    let forward = base_chain(&mut batch, &table, c"forward", Hook::Forward, 0, false);
+    rule(&mut batch, &forward, |rule| {
+        iif(rule, &a);
+        drop_verdict(rule);
+    });
+    rule(&mut batch, &forward, |rule| {
+        oif(rule, &a);
+        drop_verdict(rule);
+    });
+    rule(&mut batch, &forward, |rule| {
+        iif(rule, &o);
+        oif(rule, &o);
+        drop_verdict(rule);
+    });
+    rule(&mut batch, &forward, |rule| {
+        oif(rule, &o);
+        rule.add_expr(&nft_expr!(ct state));
+        rule.add_expr(
+            &nft_expr!(bitwise mask (States::ESTABLISHED | States::RELATED).bits(), xor 0u32),
+        );
+        rule.add_expr(&nft_expr!(cmp != 0u32));
+        rule.add_expr(&nft_expr!(verdict accept));
+    });
+    rule(&mut batch, &forward, |rule| {
+        oif(rule, &o);
+        drop_verdict(rule);
+    });
     // IPv6 from the open bridge goes nowhere (runs have it disabled anyway).
-    let mut rule = Rule::new(&forward);
-    iif(&mut rule, &o);
-    rule.add_expr(&nft_expr!(meta nfproto));
-    rule.add_expr(&nft_expr!(cmp != libc::NFPROTO_IPV4 as u8));
-    rule.add_expr(&nft_expr!(verdict drop));
-    batch.add(&rule, MsgType::Add);
+    rule(&mut batch, &forward, |rule| {
+        iif(rule, &o);
+        rule.add_expr(&nft_expr!(meta nfproto));
+        rule.add_expr(&nft_expr!(cmp != libc::NFPROTO_IPV4 as u8));
+        drop_verdict(rule);
+    });
 
-    let mut post = Chain::new(c"postrouting", &table);
-    post.set_hook(Hook::PostRouting, 100);
-    post.set_type(ChainType::Nat);
-    post.set_policy(Policy::Accept);
-    batch.add(&post, MsgType::Add);
-    let mut rule = Rule::new(&post);
-    rule.add_expr(&nft_expr!(meta nfproto));
-    rule.add_expr(&nft_expr!(cmp == libc::NFPROTO_IPV4 as u8));
-    rule.add_expr(&nft_expr!(payload ipv4 saddr));
+    let post = base_chain(
+        &mut batch,
+        &table,
+        c"postrouting",
+        Hook::PostRouting,
+        100,
+        true,
+    );
     let mask = u32::MAX
         .checked_shl(32 - u32::from(r.open_subnet.prefix))
         .unwrap_or(0);
-    rule.add_expr(&nft_expr!(bitwise mask Ipv4Addr::from(mask), xor 0u32));
-    rule.add_expr(&nft_expr!(cmp == r.open_subnet.network));
-    rule.add_expr(&nft_expr!(meta oifname));
-    rule.add_expr(&nft_expr!(cmp != InterfaceName::Exact(o.clone())));
-    rule.add_expr(&nft_expr!(masquerade));
-    batch.add(&rule, MsgType::Add);
+    rule(&mut batch, &post, |rule| {
+        rule.add_expr(&nft_expr!(meta nfproto));
+        rule.add_expr(&nft_expr!(cmp == libc::NFPROTO_IPV4 as u8));
+        rule.add_expr(&nft_expr!(payload ipv4 saddr));
+        rule.add_expr(&nft_expr!(bitwise mask Ipv4Addr::from(mask), xor 0u32));
+        rule.add_expr(&nft_expr!(cmp == r.open_subnet.network));
+        rule.add_expr(&nft_expr!(meta oifname));
+        rule.add_expr(&nft_expr!(cmp != InterfaceName::Exact(o.clone())));
+        rule.add_expr(&nft_expr!(masquerade));
+    });
 
     send(&batch.finalize(), "apply the daemon table")
 }
@@ -183,42 +216,44 @@ pub fn apply_run(table_name: &str, veth: &str, ip: Ipv4Addr) -> Result<(), Firew
     let table = Table::new(&cname(table_name)?, ProtoFamily::Bridge);
     let v = cname(veth)?;
     let mut batch = Batch::new();
-    batch.add(&table, MsgType::Add);
-    batch.add(&table, MsgType::Del);
-    batch.add(&table, MsgType::Add);
-    let mut pre = Chain::new(c"prerouting", &table);
-    pre.set_hook(Hook::PreRouting, -200);
-    pre.set_policy(Policy::Accept);
-    batch.add(&pre, MsgType::Add);
+    fresh_table(&mut batch, &table);
+    let pre = base_chain(
+        &mut batch,
+        &table,
+        c"prerouting",
+        Hook::PreRouting,
+        -200,
+        false,
+    );
     let eth_ip = (libc::ETH_P_IP as u16).to_be();
     let eth_arp = (libc::ETH_P_ARP as u16).to_be();
     // IPv4 with another source address.
-    let mut rule = Rule::new(&pre);
-    iif(&mut rule, &v);
-    rule.add_expr(&nft_expr!(meta proto));
-    rule.add_expr(&nft_expr!(cmp == eth_ip));
-    rule.add_expr(&nft_expr!(payload ipv4 saddr));
-    rule.add_expr(&nft_expr!(cmp != ip));
-    rule.add_expr(&nft_expr!(verdict drop));
-    batch.add(&rule, MsgType::Add);
+    rule(&mut batch, &pre, |rule| {
+        iif(rule, &v);
+        rule.add_expr(&nft_expr!(meta proto));
+        rule.add_expr(&nft_expr!(cmp == eth_ip));
+        rule.add_expr(&nft_expr!(payload ipv4 saddr));
+        rule.add_expr(&nft_expr!(cmp != ip));
+        drop_verdict(rule);
+    });
     // ARP claiming another sender address (offset 14 bytes in the ARP header).
-    let mut rule = Rule::new(&pre);
-    iif(&mut rule, &v);
-    rule.add_expr(&nft_expr!(meta proto));
-    rule.add_expr(&nft_expr!(cmp == eth_arp));
-    rule.add_expr(&nft_expr!(payload_raw nh 14, 4));
-    rule.add_expr(&nft_expr!(cmp != ip));
-    rule.add_expr(&nft_expr!(verdict drop));
-    batch.add(&rule, MsgType::Add);
+    rule(&mut batch, &pre, |rule| {
+        iif(rule, &v);
+        rule.add_expr(&nft_expr!(meta proto));
+        rule.add_expr(&nft_expr!(cmp == eth_arp));
+        rule.add_expr(&nft_expr!(payload_raw nh 14, 4));
+        rule.add_expr(&nft_expr!(cmp != ip));
+        drop_verdict(rule);
+    });
     // Everything that is neither IPv4 nor ARP (IPv6, router adverts, …).
-    let mut rule = Rule::new(&pre);
-    iif(&mut rule, &v);
-    rule.add_expr(&nft_expr!(meta proto));
-    rule.add_expr(&nft_expr!(cmp != eth_ip));
-    rule.add_expr(&nft_expr!(meta proto));
-    rule.add_expr(&nft_expr!(cmp != eth_arp));
-    rule.add_expr(&nft_expr!(verdict drop));
-    batch.add(&rule, MsgType::Add);
+    rule(&mut batch, &pre, |rule| {
+        iif(rule, &v);
+        rule.add_expr(&nft_expr!(meta proto));
+        rule.add_expr(&nft_expr!(cmp != eth_ip));
+        rule.add_expr(&nft_expr!(meta proto));
+        rule.add_expr(&nft_expr!(cmp != eth_arp));
+        drop_verdict(rule);
+    });
     send(&batch.finalize(), "apply a run table")
 }
 

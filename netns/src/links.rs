@@ -100,18 +100,6 @@ impl Links {
         }
     }
 
-    /// Every link whose name starts with `prefix`.
-    pub async fn names_with_prefix(&self, prefix: &str) -> Result<Vec<String>, LinkError> {
-        let mut out = Vec::new();
-        let mut links = self.handle.link().get().execute();
-        while let Some(m) = links.try_next().await.map_err(nl("list links", prefix))? {
-            if let Some(n) = link_name(&m).filter(|n| n.starts_with(prefix)) {
-                out.push(n);
-            }
-        }
-        Ok(out)
-    }
-
     /// Names of the links enslaved to bridge `bridge`.
     pub async fn ports_of(&self, bridge: u32) -> Result<Vec<String>, LinkError> {
         let mut out = Vec::new();
@@ -246,31 +234,6 @@ impl Links {
             let _ = self.delete(host).await;
         }
         result
-    }
-
-    /// Whether the bridge port `name` is isolated (for checks and tests).
-    pub async fn port_isolated(&self, name: &str) -> Result<bool, LinkError> {
-        use rtnetlink::packet_route::link::{InfoBridgePort, InfoPortData, LinkInfo};
-        let mut links = self
-            .handle
-            .link()
-            .get()
-            .match_name(name.to_string())
-            .execute();
-        let m = links
-            .try_next()
-            .await
-            .map_err(nl("look up", name))?
-            .ok_or_else(|| LinkError::Missing(name.to_string()))?;
-        Ok(m.attributes.iter().any(|a| match a {
-            LinkAttribute::LinkInfo(infos) => infos.iter().any(|i| match i {
-                LinkInfo::PortData(InfoPortData::BridgePort(p)) => p
-                    .iter()
-                    .any(|x| matches!(x, InfoBridgePort::Isolated(true))),
-                _ => false,
-            }),
-            _ => false,
-        }))
     }
 }
 

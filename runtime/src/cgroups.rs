@@ -213,15 +213,6 @@ fn inherit_cpuset(dir: &Path) -> Result<(), CgroupError> {
     Ok(())
 }
 
-/// Moves `pid` into cgroup `rel` in every hierarchy.
-pub fn join(layout: &Layout, rel: &str, pid: u32) -> Result<(), CgroupError> {
-    for d in layout.dirs(rel) {
-        let path = d.join("cgroup.procs");
-        fs::write(&path, pid.to_string()).map_err(|source| CgroupError::Write { path, source })?;
-    }
-    Ok(())
-}
-
 /// Moves `pid` into the exec cgroup `exec_rel` (a child of the run's).
 /// It is created where it is needed to kill the exec's processes — the v2
 /// tree, or the v1 freezer and pids hierarchies; in every other v1 hierarchy
@@ -355,11 +346,7 @@ pub fn destroy_tree(layout: &Layout, rel: &str, wait: Duration) -> Result<(), Cg
     // takes everything with it): try to remove first, kill only if needed.
     let mut last_kill: Option<Instant> = None;
     loop {
-        let busy = layout
-            .dirs(rel)
-            .into_iter()
-            .find_map(|d| remove_depth_first(&d).err());
-        let Some(e) = busy else {
+        let Err(e) = remove_tree(layout, rel) else {
             return Ok(());
         };
         if Instant::now() >= deadline {

@@ -39,12 +39,19 @@ fn generation(b: &LeaseBody) -> Result<u64, ApiError> {
         .ok_or_else(|| ApiError::bad("generation", "required"))
 }
 
-async fn lease(st: Shared, id: String, body: Bytes, kind: &str) -> Result<Response, ApiError> {
+#[derive(Clone, Copy)]
+enum Kind {
+    Acquire,
+    Renew,
+    Release,
+}
+
+async fn lease(st: Shared, id: String, body: Bytes, kind: Kind) -> Result<Response, ApiError> {
     check_id(&id)?;
     let b: LeaseBody = parse(&body)?;
     let owner = validate_owner("owner", &b.owner)?;
     let op = match kind {
-        "acquire" => {
+        Kind::Acquire => {
             if b.generation.is_some() {
                 return Err(ApiError::bad("generation", "not taken by acquire"));
             }
@@ -53,12 +60,12 @@ async fn lease(st: Shared, id: String, body: Bytes, kind: &str) -> Result<Respon
                 ttl_secs: ttl(&b)?,
             }
         }
-        "renew" => LeaseOp::Renew {
+        Kind::Renew => LeaseOp::Renew {
             owner,
             generation: generation(&b)?,
             ttl_secs: ttl(&b)?,
         },
-        _ => {
+        Kind::Release => {
             if b.ttl_sec.is_some() {
                 return Err(ApiError::bad("ttlSec", "not taken by release"));
             }
@@ -79,7 +86,7 @@ pub async fn acquire(
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    lease(st, id, body, "acquire").await
+    lease(st, id, body, Kind::Acquire).await
 }
 
 pub async fn renew(
@@ -87,7 +94,7 @@ pub async fn renew(
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    lease(st, id, body, "renew").await
+    lease(st, id, body, Kind::Renew).await
 }
 
 pub async fn release(
@@ -95,5 +102,5 @@ pub async fn release(
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    lease(st, id, body, "release").await
+    lease(st, id, body, Kind::Release).await
 }

@@ -242,6 +242,13 @@ fn kv(list: &[String], what: &str) -> anyhow::Result<serde_json::Map<String, Val
     Ok(m)
 }
 
+/// Sets `body[key]` when the option is given.
+fn put(body: &mut Value, key: &str, value: Option<impl serde::Serialize>) {
+    if let Some(v) = value {
+        body[key] = json!(v);
+    }
+}
+
 fn cmd_value(cmd: &[String]) -> Value {
     if cmd.len() == 1 {
         json!(cmd[0])
@@ -465,9 +472,7 @@ fn image_cmd(cmd: ImageCommand) -> anyhow::Result<i32> {
             let abs =
                 std::fs::canonicalize(&path).with_context(|| format!("{}", path.display()))?;
             let mut body = json!({"path": abs});
-            if let Some(r) = reference {
-                body["reference"] = json!(r);
-            }
+            put(&mut body, "reference", reference);
             let v = c.json(
                 c.req(reqwest::Method::POST, "/v1/images/import")
                     .json(&body),
@@ -500,36 +505,22 @@ pub fn run(cmd: ClientCommand) -> anyhow::Result<i32> {
         } => {
             let c = Client::new(&conn)?;
             let mut body = json!({});
-            if let Some(i) = image {
-                body["image"] = json!(i);
-            }
-            if let Some(t) = template {
-                body["template"] = json!(t);
-            }
-            if let Some(t) = ttl {
-                body["ttlSec"] = json!(t);
-            }
-            if let Some(n) = network {
-                body["network"] = json!(n);
-            }
+            put(&mut body, "image", image);
+            put(&mut body, "template", template);
+            put(&mut body, "ttlSec", ttl);
+            put(&mut body, "network", network);
             if !env.is_empty() {
                 body["env"] = Value::Object(kv(&env, "env")?);
             }
             if !labels.is_empty() {
                 body["labels"] = Value::Object(kv(&labels, "label")?);
             }
-            let mut limits = serde_json::Map::new();
-            if let Some(v) = cpu {
-                limits.insert("cpu".into(), json!(v));
-            }
-            if let Some(v) = memory_mb {
-                limits.insert("memoryMb".into(), json!(v));
-            }
-            if let Some(v) = pids {
-                limits.insert("pids".into(), json!(v));
-            }
-            if !limits.is_empty() {
-                body["limits"] = Value::Object(limits);
+            let mut limits = json!({});
+            put(&mut limits, "cpu", cpu);
+            put(&mut limits, "memoryMb", memory_mb);
+            put(&mut limits, "pids", pids);
+            if limits.as_object().is_some_and(|l| !l.is_empty()) {
+                body["limits"] = limits;
             }
             let v = c.json(c.req(reqwest::Method::POST, "/v1/runs").json(&body))?;
             let id = v["id"].as_str().context("no id in reply")?.to_string();
@@ -556,21 +547,13 @@ pub fn run(cmd: ClientCommand) -> anyhow::Result<i32> {
         } => {
             let c = Client::new(&conn)?;
             let mut body = json!({"cmd": cmd_value(&cmd)});
-            if let Some(t) = timeout {
-                body["timeoutSec"] = json!(t);
-            }
+            put(&mut body, "timeoutSec", timeout);
             if !env.is_empty() {
                 body["env"] = Value::Object(kv(&env, "env")?);
             }
-            if let Some(d) = cwd {
-                body["cwd"] = json!(d);
-            }
-            if let Some(o) = owner {
-                body["owner"] = json!(o);
-            }
-            if let Some(g) = generation {
-                body["generation"] = json!(g);
-            }
+            put(&mut body, "cwd", cwd);
+            put(&mut body, "owner", owner);
+            put(&mut body, "generation", generation);
             exec_stream(&c, &id, body)
         }
         ClientCommand::Ls {

@@ -4,7 +4,7 @@
 //! from `spawn_blocking`.
 
 use std::io::{Read, Write};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
 use rustix::fs::{openat2, AtFlags, Mode, OFlags, ResolveFlags};
@@ -206,7 +206,20 @@ pub fn write(
         rustix::fs::chownat(parent, c, owner.0, owner.1, AtFlags::SYMLINK_NOFOLLOW)?;
         Ok(())
     })?;
-    let d = reopen(&dir, OFlags::RDONLY | OFlags::DIRECTORY)?;
+    replace_file(&dir, name, data, mode, Some((uid, gid)))
+}
+
+/// Replaces `name` in directory `dir` atomically: a temp file is written,
+/// given `mode` (and `owner`), then renamed over `name` — which replaces a
+/// symlink at `name` itself, never its target.
+fn replace_file(
+    dir: &OwnedFd,
+    name: &str,
+    data: &[u8],
+    mode: u32,
+    owner: Option<(u32, u32)>,
+) -> Result<(), FileError> {
+    let d = reopen(dir, OFlags::RDONLY | OFlags::DIRECTORY)?;
     let tmp = format!(".{name}.sbx-{:016x}", rand::random::<u64>());
     let fd = rustix::fs::openat(
         &d,
@@ -217,9 +230,15 @@ pub fn write(
     let result = (|| -> Result<(), FileError> {
         let mut f = std::fs::File::from(fd);
         f.write_all(data)?;
-        rustix::fs::fchown(f.as_fd(), owner.0, owner.1)?;
-        rustix::fs::fchmod(f.as_fd(), Mode::from_raw_mode(mode & 0o7777))?;
-        rustix::fs::renameat(&d, tmp.as_str(), &d, name.as_str())?;
+        if let Some((uid, gid)) = owner {
+            rustix::fs::fchown(
+                &f,
+                Some(rustix::fs::Uid::from_raw(uid)),
+                Some(rustix::fs::Gid::from_raw(gid)),
+            )?;
+        }
+        rustix::fs::fchmod(&f, Mode::from_raw_mode(mode & 0o7777))?;
+        rustix::fs::renameat(&d, tmp.as_str(), &d, name)?;
         Ok(())
     })();
     if result.is_err() {
@@ -261,33 +280,8 @@ pub fn write_root_file(rootfs: &Path, rel: &str, data: &[u8], mode: u32) -> Resu
     let Some((name, parents)) = comps.split_last() else {
         return Err(FileError::BadPath("a file name is required".into()));
     };
-    let dir = ensure_dir_keep(rootfs, &parents.join("/"))?;
-    let d = reopen(&dir, OFlags::RDONLY | OFlags::DIRECTORY)?;
-    let tmp = format!(".{name}.sbx-{:016x}", rand::random::<u64>());
-    let fd = rustix::fs::openat(
-        &d,
-        tmp.as_str(),
-        OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::from_raw_mode(mode),
-    )?;
-    let mut f = std::fs::File::from(fd);
-    let written = f.write_all(data).and_then(|()| {
-        rustix::fs::fchmod(&f, Mode::from_raw_mode(mode)).map_err(std::io::Error::from)
-    });
-    if let Err(e) = written {
-        let _ = rustix::fs::unlinkat(&d, tmp.as_str(), AtFlags::empty());
-        return Err(e.into());
-    }
-    // rename replaces a symlink at `name` itself, never its target.
-    rustix::fs::renameat(&d, tmp.as_str(), &d, name.as_str()).map_err(|e| {
-        let _ = rustix::fs::unlinkat(&d, tmp.as_str(), AtFlags::empty());
-        FileError::from(e)
-    })
-}
-
-/// Like [`ensure_dir`] but leaves modes and owners alone.
-fn ensure_dir_keep(rootfs: &Path, rel: &str) -> Result<OwnedFd, FileError> {
-    walk_create(open_root(rootfs)?, &components(rel)?, |_, _| Ok(()))
+    let dir = walk_create(open_root(rootfs)?, parents, |_, _| Ok(()))?;
+    replace_file(&dir, name, data, mode, None)
 }
 
 /// Walks `comps` down from `dir`, creating missing directories (0755) and

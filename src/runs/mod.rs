@@ -226,8 +226,8 @@ impl Registry {
             if let Ok(net) = &self.net {
                 // The host end of the run's link, for whoever debugs the host.
                 v["link"] = json!(net.names.veth(&n.slot));
-                if let Some(port) = n.proxy_port {
-                    v["proxy"] = json!(format!("http://{}:{port}", net.allow.gateway()));
+                if let Some(url) = net.proxy_url(n) {
+                    v["proxy"] = json!(url);
                 }
             }
             if !n.egress_allow.is_empty() {
@@ -670,12 +670,7 @@ impl Registry {
                 let r = match self.runs.get_mut(&id) {
                     None => Err(RunError::NotFound(id)),
                     Some(e) => match (e.rec.status, e.shim) {
-                        (Status::Running, Some(_)) if fence(e, cred.as_ref()).is_err() => {
-                            Err(fence(e, cred.as_ref())
-                                .err()
-                                .unwrap_or(RunError::ShuttingDown))
-                        }
-                        (Status::Running, Some(s)) => {
+                        (Status::Running, Some(s)) => fence(e, cred.as_ref()).map(|()| {
                             e.in_flight += 1;
                             let mut base_env = vec![
                                 (
@@ -691,7 +686,7 @@ impl Registry {
                             }
                             base_env.extend(e.env.iter().cloned());
                             let base_env = dedup_env(base_env);
-                            Ok(ExecTicket {
+                            ExecTicket {
                                 cgroup: format!(
                                     "{}/exec-{}",
                                     self.host.cgroup(&id),
@@ -704,8 +699,8 @@ impl Registry {
                                 gid: e.rec.gid,
                                 workdir: e.rec.workdir.clone(),
                                 base_env,
-                            })
-                        }
+                            }
+                        }),
                         (status, _) => Err(RunError::NotRunning {
                             id,
                             status: status.as_str(),
