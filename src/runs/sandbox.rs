@@ -287,8 +287,13 @@ async fn create_inner(
 pub fn destroy(host: &Host, id: &str) -> Result<(), SandboxError> {
     let paths = host.paths(id);
     let t0 = Instant::now();
+    // Time the run's processes get to leave on their own before their
+    // cgroups are frozen and killed from outside.
+    let mut grace = Duration::ZERO;
     if let Ok(state) = ShimState::load(&paths) {
-        stop_shim(&state);
+        if stop_shim(&state) {
+            grace = Duration::from_millis(100);
+        }
     } else {
         for pid in find_shims(&host.runs_dir())
             .into_iter()
@@ -299,7 +304,12 @@ pub fn destroy(host: &Host, id: &str) -> Result<(), SandboxError> {
     }
     let t_shim = t0.elapsed();
     let shim_state = ShimState::load(&paths).ok();
-    cgroups::destroy_tree(&host.layout, &host.cgroup(id), Duration::from_secs(5))
+    cgroups::destroy_tree(
+        &host.layout,
+        &host.cgroup(id),
+        grace,
+        Duration::from_secs(5),
+    )
         .map_err(SandboxError::Cgroups)?;
     let t_cgroups = t0.elapsed();
     // The init is gone; the shim records its exit in the run directory and
@@ -345,13 +355,14 @@ pub fn destroy(host: &Host, id: &str) -> Result<(), SandboxError> {
 
 /// Kills the run's init (its pid namespace goes with it) and tells the shim
 /// to exit; the cgroup removal that follows waits for the processes to go.
-fn stop_shim(state: &ShimState) {
-    if state.init_alive() {
-        let _ = kill(Pid::from_raw(state.init_pid), Signal::SIGKILL);
-    }
+/// Returns whether the init was killed here.
+fn stop_shim(state: &ShimState) -> bool {
+    let killed =
+        state.init_alive() && kill(Pid::from_raw(state.init_pid), Signal::SIGKILL).is_ok();
     if state.shim_alive() {
         let _ = kill(Pid::from_raw(state.shim_pid), Signal::SIGTERM);
     }
+    killed
 }
 
 /// `(pid, run id)` of every shim process serving a run under `runs_dir`.
