@@ -67,6 +67,7 @@ pub struct FileConfig {
     pub unpack_max_mb: Option<u64>,
     pub unpack_max_entries: Option<u64>,
     pub stop_runs_on_exit: Option<bool>,
+    pub cgroup_favordynmods: Option<bool>,
     pub registry_auth: Option<BTreeMap<String, RegistryAuth>>,
     pub templates: Option<BTreeMap<String, Template>>,
 }
@@ -135,6 +136,8 @@ pub struct Config {
     pub unpack_max_bytes: u64,
     pub unpack_max_entries: u64,
     pub stop_runs_on_exit: bool,
+    /// Turn on the cgroup2 `favordynmods` flag at start (default true).
+    pub cgroup_favordynmods: bool,
     pub registry_auth: BTreeMap<String, RegistryAuth>,
     pub templates: BTreeMap<String, Template>,
 }
@@ -355,6 +358,9 @@ impl Config {
         let stop_runs_on_exit = flags.stop_runs_on_exit
             || parse_env::<bool>(vars, "SBX_STOP_RUNS_ON_EXIT")?.unwrap_or(false)
             || file.stop_runs_on_exit.unwrap_or(false);
+        let cgroup_favordynmods = parse_env::<bool>(vars, "SBX_CGROUP_FAVORDYNMODS")?
+            .or(file.cgroup_favordynmods)
+            .unwrap_or(true);
         let mut templates = default_templates();
         if let Some(t) = file.templates {
             templates = t;
@@ -384,6 +390,7 @@ impl Config {
             unpack_max_bytes: unpack_max_mb << 20,
             unpack_max_entries,
             stop_runs_on_exit,
+            cgroup_favordynmods,
             registry_auth: file.registry_auth.unwrap_or_default(),
             templates,
         })

@@ -62,6 +62,17 @@ async fn run(cfg: Config, state_dir: std::path::PathBuf) -> anyhow::Result<()> {
     let _ = crate::SERVER_NAME.set(cfg.server_name.clone());
     let token = load_or_mint_token(&state_dir.join("token"))?;
     let layout = sbx_runtime::Layout::detect()?;
+    if cfg.cgroup_favordynmods {
+        // Without it each create and exec waits out an RCU grace period
+        // when it moves a process into a cgroup (see favor_dynmods).
+        match sbx_runtime::cgroups::favor_dynmods() {
+            Ok(done) => tracing::info!(?done, "cgroup favordynmods"),
+            Err(e) => tracing::warn!(
+                error = %e,
+                "could not set favordynmods on cgroup2; moving a process into a cgroup stays slow"
+            ),
+        }
+    }
     // Shims and exec helpers are this binary; resolve it once.
     let self_exe = std::fs::canonicalize("/proc/self/exe")?;
     let init_binary = sbx_runtime::init::install(&state_dir.join("bin"))?;

@@ -123,6 +123,18 @@ impl World {
         out
     }
 
+    /// Hardware addresses of the daemon's bridges, by name.
+    fn bridge_macs(&self) -> Vec<String> {
+        sh_ok(&format!("ip -n {} -br link show type bridge", self.d))
+            .lines()
+            .filter(|l| l.starts_with("sbx"))
+            .map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                format!("{} {}", f[0], f.get(2).unwrap_or(&""))
+            })
+            .collect()
+    }
+
     fn listeners(&self) -> Vec<String> {
         sh_ok(&format!("ip netns exec {} ss -Hltn", self.d))
             .lines()
@@ -473,6 +485,10 @@ fn network_state_is_cleaned_after_expiry_and_kill_9() {
     let run = |d: &Daemon, id: &str| d.call(Method::GET, &format!("/v1/runs/{id}"), None).1;
     let (keep_run, gone_run) = (run(&d, &keep), run(&d, &gone));
     assert_eq!(w.run_leftovers(&keep_run).len(), 3, "link, table, proxy");
+    // Ports come and go below (expiry, orphans after the restart); the
+    // bridges' addresses must not, or the runs' cached gateway goes stale.
+    let macs = w.bridge_macs();
+    assert_eq!(macs.len(), 2, "{macs:?}");
     wait_for("expired run's network removed", 10, || {
         w.run_leftovers(&short_run).is_empty()
     });
@@ -496,10 +512,9 @@ fn network_state_is_cleaned_after_expiry_and_kill_9() {
             "curl -s -o /dev/null -w '%{http_code}' http://denied.test/",
         )) == "403"
     });
-    assert_eq!(
-        out(&d.sh(&keep, "curl -sS http://allowed.test/")),
-        "hello from allowed.test\n"
-    );
+    let v = d.sh(&keep, "curl -sS -m 20 http://allowed.test/");
+    assert_eq!(out(&v), "hello from allowed.test\n", "{v}");
+    assert_eq!(w.bridge_macs(), macs, "bridge addresses changed");
     wait_for("dead run's network removed", 10, || {
         w.run_leftovers(&gone_run).is_empty()
     });

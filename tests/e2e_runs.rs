@@ -38,6 +38,10 @@ fn run_lifecycle_isolation_and_cleanup() {
     assert!(status.contains("CapBnd:\t0000000000000000"), "{status}");
     assert!(status.contains("NoNewPrivs:\t1"), "{status}");
     assert!(status.contains("Seccomp:\t2"), "{status}");
+    // The command holds its three stdio descriptors and nothing of the
+    // shim's or the daemon's; 3 is the directory the glob is reading.
+    let out = d.sh(&id, "cd /proc/self/fd && echo *");
+    assert_eq!(out["stdout"], "0 1 2 3\n", "{out}");
     // Own pid namespace with the sbx init as PID 1; only loopback.
     let out = d.sh(
         &id,
@@ -257,6 +261,27 @@ fn exec_contract() {
             "{body} → {v}"
         );
     }
+    // A run whose shim serves no exec socket (started by an older sbx, or
+    // its shim gone) still runs commands, through the spawned helper, with
+    // the same contract.
+    let sock = d.state.join("runs").join(&id).join("exec.sock");
+    assert!(sock.exists(), "the shim serves execs on {}", sock.display());
+    std::fs::remove_file(&sock).expect("remove exec socket");
+    let v = d.exec(
+        &id,
+        json!({"cmd": "cat; echo $FROM_CREATE >&2; exit 3", "stdin": "in\n"}),
+    );
+    assert_eq!(
+        (
+            v["stdout"].as_str(),
+            v["stderr"].as_str(),
+            v["exitCode"].as_i64()
+        ),
+        (Some("in\n"), Some("c1\n"), Some(3)),
+        "{v}"
+    );
+    let v = d.exec(&id, json!({"cmd": "grep Seccomp: /proc/self/status"}));
+    assert_eq!(v["stdout"], "Seccomp:\t2\n", "{v}");
 }
 
 #[test]

@@ -64,6 +64,18 @@ pub fn sysctl(path: &str, value: &str) -> Result<(), LinkError> {
     }
 }
 
+/// A fixed, locally administered unicast address for bridge `name`.
+pub fn bridge_mac(name: &str) -> [u8; 6] {
+    // FNV-1a: stable across releases, unlike std's hasher.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in name.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    let b = h.to_be_bytes();
+    [0x02, b[0], b[1], b[2], b[3], b[4]]
+}
+
 /// A netlink handle in the daemon's network namespace.
 #[derive(Clone)]
 pub struct Links {
@@ -100,6 +112,21 @@ impl Links {
         }
     }
 
+    /// The hardware address of link `index`.
+    async fn mac(&self, index: u32) -> Result<Option<Vec<u8>>, LinkError> {
+        let mut links = self.handle.link().get().match_index(index).execute();
+        let m = links
+            .try_next()
+            .await
+            .map_err(nl("look up", &index.to_string()))?;
+        Ok(m.and_then(|m| {
+            m.attributes.into_iter().find_map(|a| match a {
+                LinkAttribute::Address(mac) if mac.len() == 6 => Some(mac),
+                _ => None,
+            })
+        }))
+    }
+
     /// Names of the links enslaved to bridge `bridge`.
     pub async fn ports_of(&self, bridge: u32) -> Result<Vec<String>, LinkError> {
         let mut out = Vec::new();
@@ -129,7 +156,11 @@ impl Links {
             match self
                 .handle
                 .link()
-                .add(LinkBridge::new(name).build())
+                .add(
+                    LinkBridge::new(name)
+                        .address(bridge_mac(name).to_vec())
+                        .build(),
+                )
                 .execute()
                 .await
             {
@@ -143,6 +174,22 @@ impl Links {
             .await?
             .ok_or_else(|| LinkError::Missing(name.to_string()))?;
         sysctl(&format!("/proc/sys/net/ipv6/conf/{name}/disable_ipv6"), "1")?;
+        // A bridge whose address was never set takes the lowest address of
+        // its ports and changes it whenever ports come and go; every run's
+        // cached gateway address then points nowhere and its traffic to the
+        // gateway (the egress proxy) is dropped until the neighbour entry
+        // ages out (seen: 60 s of SYN_SENT after an orphan veth was removed).
+        // Setting it, even to the address it has, pins it.
+        let mac = self
+            .mac(index)
+            .await?
+            .unwrap_or_else(|| bridge_mac(name).to_vec());
+        self.handle
+            .link()
+            .set(LinkUnspec::new_with_index(index).address(mac).build())
+            .execute()
+            .await
+            .map_err(nl("pin the address of", name))?;
         match self
             .handle
             .address()
@@ -314,4 +361,18 @@ pub fn configure_inside(
     worker
         .join()
         .unwrap_or_else(|_| Err(LinkError::Missing("configuration thread panicked".into())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bridge_mac_is_stable_local_and_unicast() {
+        let a = bridge_mac("sbxa1234abcd");
+        assert_eq!(a, bridge_mac("sbxa1234abcd"));
+        assert_ne!(a, bridge_mac("sbxo1234abcd"));
+        assert_eq!(a[0] & 0x01, 0, "unicast");
+        assert_eq!(a[0] & 0x02, 0x02, "locally administered");
+    }
 }

@@ -1,5 +1,6 @@
 //! `sbx exec-helper`: a fresh single-threaded process the daemon spawns per
-//! exec. It moves itself into the exec's own cgroup (so a timeout can kill
+//! exec when the run's shim cannot take it (see `execsrv`, the usual path;
+//! both share [`child`]). It moves itself into the exec's own cgroup (so a timeout can kill
 //! everything the exec started, daemonized grandchildren included, from
 //! outside the run), enters the run's namespaces through a pidfd of the
 //! run's init, forks the command's process inside the run's pid namespace,
@@ -71,7 +72,7 @@ fn read_request() -> std::io::Result<ExecRequest> {
     serde_json::from_slice(&body).map_err(std::io::Error::other)
 }
 
-fn fail(code: i32, msg: &str) -> i32 {
+pub(crate) fn fail(code: i32, msg: &str) -> i32 {
     let _ = writeln!(std::io::stderr(), "sbx: {msg}");
     code
 }
@@ -147,7 +148,7 @@ pub fn helper_main() -> i32 {
     }
 }
 
-fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
+pub(crate) fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
     // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
     if fd < 0 {
@@ -206,7 +207,7 @@ fn lookup_path(argv0: &str, env: &[String]) -> Option<String> {
 }
 
 /// Runs in the forked child, inside the run's namespaces; returns only on error.
-fn child(req: &ExecRequest, bpf: Option<&[u8]>) -> i32 {
+pub(crate) fn child(req: &ExecRequest, bpf: Option<&[u8]>) -> i32 {
     // Drop the bounding set while we still hold CAP_SETPCAP.
     for cap in caps::all() {
         let _ = caps::drop(None, caps::CapSet::Bounding, cap);

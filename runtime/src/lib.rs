@@ -4,6 +4,7 @@
 
 pub mod cgroups;
 pub mod exec;
+pub mod execsrv;
 pub mod init;
 pub mod seccomp;
 pub mod shim;
@@ -50,6 +51,10 @@ impl RunPaths {
     }
     pub fn exit_file(&self) -> PathBuf {
         self.dir.join("exit")
+    }
+    /// The shim's exec socket (see `exec::serve`).
+    pub fn exec_socket(&self) -> PathBuf {
+        self.dir.join("exec.sock")
     }
 }
 

@@ -4,9 +4,10 @@
 //! records its exit, and outlives daemon restarts.
 //!
 //! Protocol with the daemon: the shim prints one line on stdout —
-//! `ready <init-pid>` or `error <message>` — then detaches stdout. SIGTERM
-//! asks it to kill the run; it exits when the run's init is gone, leaving
-//! `exit` (the init's wait status) in the run directory. Teardown of cgroups
+//! `ready <init-pid>` or `error <message>` — then detaches stdout. It then
+//! serves execs on `exec.sock` (see `execsrv`). SIGTERM asks it to kill the
+//! run; it exits when the run's init is gone, leaving `exit` (the init's
+//! wait status) in the run directory. Teardown of cgroups
 //! and mounts belongs to the daemon, so it also works when a shim died.
 
 use std::fs::File;
@@ -16,10 +17,15 @@ use std::path::PathBuf;
 
 use libcontainer::container::builder::ContainerBuilder;
 use libcontainer::syscall::syscall::SyscallType;
+use std::os::fd::AsFd;
+
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sys::signal::{kill, SigSet, SigmaskHow, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 
+use crate::execsrv::ExecServer;
 use crate::{start_time, write_atomic, RunPaths, ShimState};
 
 #[derive(Debug, thiserror::Error)]
@@ -107,12 +113,91 @@ pub fn shim_main(run_dir: PathBuf, id: &str) -> i32 {
             return 1;
         }
     };
+    // Bound before "ready", so the daemon can use it for the first exec. A
+    // run without it still works through `sbx exec-helper`.
+    let mut execs = match ExecServer::bind(&paths, state.init_pid) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            eprintln!("sbx shim: exec server: {e}");
+            None
+        }
+    };
     let _ = writeln!(stdout, "ready {}", state.init_pid);
     let _ = stdout.flush();
     if let Ok(null) = dev_null() {
         let _ = nix::unistd::dup2(std::os::fd::AsRawFd::as_raw_fd(&null), 1);
     }
+    let mut mask = SigSet::empty();
+    for sig in [Signal::SIGCHLD, Signal::SIGTERM, Signal::SIGINT] {
+        mask.add(sig);
+    }
+    let sfd = match SignalFd::with_flags(&mask, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("sbx shim: signalfd: {e}");
+            return wait_init_only(&paths, state.init_pid, &all);
+        }
+    };
     let init = Pid::from_raw(state.init_pid);
+    loop {
+        let mut fds = vec![PollFd::new(sfd.as_fd(), PollFlags::POLLIN)];
+        if let Some(s) = &execs {
+            fds.push(PollFd::new(s.listener_fd(), PollFlags::POLLIN));
+        }
+        match poll(&mut fds, PollTimeout::NONE) {
+            Ok(_) => {}
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => {
+                eprintln!("sbx shim: poll: {e}");
+                return wait_init_only(&paths, state.init_pid, &all);
+            }
+        }
+        let accept = fds
+            .get(1)
+            .and_then(|f| f.revents())
+            .is_some_and(|r| r.contains(PollFlags::POLLIN));
+        drop(fds);
+        if accept {
+            if let Some(s) = &mut execs {
+                s.accept();
+            }
+        }
+        while let Ok(Some(info)) = sfd.read_signal() {
+            let signo = info.ssi_signo as i32;
+            if signo == Signal::SIGTERM as i32 || signo == Signal::SIGINT as i32 {
+                let _ = kill(init, Signal::SIGKILL);
+            }
+        }
+        // Reap everything that ended: execs are answered; the init's end is
+        // the shim's (the kernel ends the init only once every other process
+        // of its pid namespace has been reaped, execs included).
+        loop {
+            let (pid, status) = match waitpid(None::<Pid>, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::Exited(pid, code)) => (pid, code),
+                Ok(WaitStatus::Signaled(pid, sig, _)) => (pid, 128 + sig as i32),
+                Ok(WaitStatus::StillAlive) => break,
+                Ok(_) => continue,
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(nix::errno::Errno::ECHILD) => {
+                    let _ = write_atomic(&paths.exit_file(), b"gone");
+                    return 0;
+                }
+                Err(_) => break,
+            };
+            if pid == init {
+                let _ = write_atomic(&paths.exit_file(), format!("exited {status}").as_bytes());
+                return 0;
+            }
+            if let Some(s) = &mut execs {
+                s.reaped(pid, status);
+            }
+        }
+    }
+}
+
+/// The loop without an exec server or signalfd: waits for the init alone.
+fn wait_init_only(paths: &RunPaths, init_pid: i32, all: &SigSet) -> i32 {
+    let init = Pid::from_raw(init_pid);
     loop {
         match all.wait() {
             Ok(Signal::SIGTERM | Signal::SIGINT) => {

@@ -1,11 +1,12 @@
-//! Running one command in a run: spawn the exec helper, stream its output,
+//! Running one command in a run: hand it to the run's shim (or spawn the
+//! exec helper), stream its output,
 //! enforce the timeout by killing the exec's cgroup from outside, and decide
 //! the end by the process, not by pipe EOF (a `sleep 30 &` holds the pipe).
 
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
 
 use sbx_runtime::exec::{encode_request, ExecRequest};
@@ -66,6 +67,81 @@ async fn pump(
     }
 }
 
+/// How the command's end is learned: from the run's shim, which forked it
+/// (the usual way), or from a spawned `sbx exec-helper` (runs whose shim
+/// has no exec socket, e.g. started by an older sbx, or whose shim died).
+enum Waiter {
+    Shim(tokio::io::BufReader<tokio::net::UnixStream>),
+    Helper(tokio::process::Child),
+}
+
+impl Waiter {
+    /// The command's exit code (128+signal when killed).
+    async fn wait(&mut self) -> std::io::Result<Result<i32, String>> {
+        match self {
+            Waiter::Shim(conn) => {
+                let mut line = String::new();
+                conn.read_line(&mut line).await?;
+                Ok(sbx_runtime::execsrv::parse_answer(&line))
+            }
+            Waiter::Helper(child) => {
+                use std::os::unix::process::ExitStatusExt;
+                let status = child.wait().await?;
+                Ok(Ok(status
+                    .code()
+                    .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))))
+            }
+        }
+    }
+}
+
+type Stdio = (
+    Box<dyn tokio::io::AsyncWrite + Send + Unpin>,
+    Box<dyn tokio::io::AsyncRead + Send + Unpin>,
+    Box<dyn tokio::io::AsyncRead + Send + Unpin>,
+);
+
+/// Hands the request to the run's shim; `None` when the shim cannot take it.
+fn start_in_shim(socket: &std::path::Path, header: &[u8]) -> Option<(Waiter, Stdio)> {
+    use std::os::fd::AsFd;
+    use tokio::net::unix::pipe;
+    let conn = std::os::unix::net::UnixStream::connect(socket).ok()?;
+    let flags = nix::fcntl::OFlag::O_CLOEXEC;
+    let (in_r, in_w) = nix::unistd::pipe2(flags).ok()?;
+    let (out_r, out_w) = nix::unistd::pipe2(flags).ok()?;
+    let (err_r, err_w) = nix::unistd::pipe2(flags).ok()?;
+    sbx_runtime::execsrv::send_request(&conn, header, [in_r.as_fd(), out_w.as_fd(), err_w.as_fd()])
+        .ok()?;
+    // The command holds the other ends now.
+    drop((in_r, out_w, err_w));
+    conn.set_nonblocking(true).ok()?;
+    let conn = tokio::net::UnixStream::from_std(conn).ok()?;
+    let stdio: Stdio = (
+        Box::new(pipe::Sender::from_owned_fd(in_w).ok()?),
+        Box::new(pipe::Receiver::from_owned_fd(out_r).ok()?),
+        Box::new(pipe::Receiver::from_owned_fd(err_r).ok()?),
+    );
+    Some((Waiter::Shim(tokio::io::BufReader::new(conn)), stdio))
+}
+
+fn start_helper(host: &Host, id: &str) -> std::io::Result<(Waiter, Stdio)> {
+    let mut child = tokio::process::Command::new(&host.self_exe)
+        .arg("exec-helper")
+        .arg(id)
+        .env_clear()
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let none = |what| std::io::Error::other(format!("no {what}"));
+    let stdio: Stdio = (
+        Box::new(child.stdin.take().ok_or_else(|| none("stdin"))?),
+        Box::new(child.stdout.take().ok_or_else(|| none("stdout"))?),
+        Box::new(child.stderr.take().ok_or_else(|| none("stderr"))?),
+    );
+    Ok((Waiter::Helper(child), stdio))
+}
+
 /// Runs the command; output events go to `tx`; returns how it ended.
 pub async fn run(
     host: &Host,
@@ -85,27 +161,15 @@ pub async fn run(
         seccomp_bpf: host.seccomp_bpf.clone(),
     };
     let started = Instant::now();
-    let mut child = tokio::process::Command::new(&host.self_exe)
-        .arg("exec-helper")
-        .arg(&ticket.id)
-        .env_clear()
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()?;
-    let mut stdin = child
-        .stdin
-        .take()
-        .ok_or_else(|| std::io::Error::other("no stdin"))?;
-    let stdout = child
-        .stdout
-        .take()
-        .ok_or_else(|| std::io::Error::other("no stdout"))?;
-    let stderr = child
-        .stderr
-        .take()
-        .ok_or_else(|| std::io::Error::other("no stderr"))?;
     let header = encode_request(&req);
+    let socket = host.paths(&ticket.id).exec_socket();
+    let (mut waiter, (mut stdin, stdout, stderr), header) = match start_in_shim(&socket, &header) {
+        Some((w, s)) => (w, s, Vec::new()),
+        None => {
+            let (w, s) = start_helper(host, &ticket.id)?;
+            (w, s, header)
+        }
+    };
     let input = plan.stdin;
     let feeder = tokio::spawn(async move {
         if stdin.write_all(&header).await.is_ok() && !input.is_empty() {
@@ -117,19 +181,32 @@ pub async fn run(
     let mut err_task = tokio::spawn(pump(stderr, tx.clone(), ExecEvent::Stderr));
 
     let timeout = Duration::from_secs(plan.timeout_secs);
-    let (status, timed_out) = match tokio::time::timeout(timeout, child.wait()).await {
-        Ok(s) => (s?, false),
+    let (ended, timed_out) = match tokio::time::timeout(timeout, waiter.wait()).await {
+        Ok(r) => (r?, false),
         Err(_) => {
             let (layout, cg) = (host.layout.clone(), ticket.cgroup.clone());
             let killed =
                 tokio::task::spawn_blocking(move || sbx_runtime::cgroups::kill_tree(&layout, &cg))
                     .await;
             tracing::info!(run = %ticket.id, killed = ?killed.ok().and_then(Result::ok), "exec timed out");
-            let _ = child.start_kill();
-            (child.wait().await?, true)
+            if let Waiter::Helper(child) = &mut waiter {
+                let _ = child.start_kill();
+            }
+            let after = tokio::time::timeout(Duration::from_secs(5), waiter.wait()).await;
+            (after.unwrap_or(Ok(Ok(124)))?, true)
         }
     };
     feeder.abort();
+    let code = match ended {
+        Ok(code) => code,
+        Err(msg) => {
+            // The shim could not start the command: say so as the helper would.
+            let _ = tx
+                .send(ExecEvent::Stderr(Bytes::from(format!("sbx: {msg}\n"))))
+                .await;
+            sbx_runtime::exec::EXIT_CANNOT_ENTER
+        }
+    };
     // The command's process is gone; give the pipes a bounded moment to drain.
     // A background process may hold the pipes open for ever; stop there.
     let drain = async {
@@ -139,14 +216,7 @@ pub async fn run(
     let _ = tokio::time::timeout(DRAIN_DEADLINE, drain).await;
     out_task.abort();
     err_task.abort();
-    let exit_code = if timed_out {
-        124
-    } else {
-        use std::os::unix::process::ExitStatusExt;
-        status
-            .code()
-            .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
-    };
+    let exit_code = if timed_out { 124 } else { code };
     let (layout, cg) = (host.layout.clone(), ticket.cgroup.clone());
     tokio::task::spawn_blocking(move || sbx_runtime::cgroups::remove_if_empty(&layout, &cg));
     Ok(ExitInfo {

@@ -310,7 +310,7 @@ pub fn destroy(host: &Host, id: &str) -> Result<(), SandboxError> {
         grace,
         Duration::from_secs(5),
     )
-        .map_err(SandboxError::Cgroups)?;
+    .map_err(SandboxError::Cgroups)?;
     let t_cgroups = t0.elapsed();
     // The init is gone; the shim records its exit in the run directory and
     // leaves. Let it finish before the directory goes.
@@ -357,8 +357,7 @@ pub fn destroy(host: &Host, id: &str) -> Result<(), SandboxError> {
 /// to exit; the cgroup removal that follows waits for the processes to go.
 /// Returns whether the init was killed here.
 fn stop_shim(state: &ShimState) -> bool {
-    let killed =
-        state.init_alive() && kill(Pid::from_raw(state.init_pid), Signal::SIGKILL).is_ok();
+    let killed = state.init_alive() && kill(Pid::from_raw(state.init_pid), Signal::SIGKILL).is_ok();
     if state.shim_alive() {
         let _ = kill(Pid::from_raw(state.shim_pid), Signal::SIGTERM);
     }
