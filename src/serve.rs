@@ -88,6 +88,11 @@ async fn run(cfg: Config, state_dir: std::path::PathBuf) -> anyhow::Result<()> {
             None
         }
     };
+    let shims = Arc::new(crate::runs::sandbox::ShimPool::new(
+        self_exe.clone(),
+        state_dir.clone(),
+    ));
+    shims.refill();
     let host = Arc::new(Host {
         cgroup_parent: cgroup_parent(&state_dir),
         state_dir: state_dir.clone(),
@@ -95,6 +100,7 @@ async fn run(cfg: Config, state_dir: std::path::PathBuf) -> anyhow::Result<()> {
         self_exe,
         init_binary,
         seccomp_bpf,
+        shims,
     });
     sbx_runtime::cgroups::create(&host.layout, &host.cgroup_parent)?;
     if !cfg.egress_allow.is_empty() {

@@ -453,7 +453,13 @@ fn runs_survive_kill_9_and_still_expire() {
     let id = d.create(json!({"ttlSec": 6, "env": {"KEEP": "kept-across-restart"}}));
     let long = d.create(json!({"ttlSec": 600}));
     d.sh(&long, "echo state > /work/f");
+    assert!(
+        !standby_shims(&d).is_empty(),
+        "the daemon keeps standby shims"
+    );
     d.kill9();
+    // Its standby shims go with it (their stdin ends).
+    wait_for("standby shims gone", 5, || standby_shims(&d).is_empty());
     // Nothing the client was told is lost; the sandboxes are still there.
     d.spawn();
     let (_, v) = d.call(Method::GET, &format!("/v1/runs/{id}"), None);
@@ -476,6 +482,31 @@ fn runs_survive_kill_9_and_still_expire() {
     d.sigterm();
     d.spawn();
     assert_eq!(d.sh(&long, "cat /work/f")["stdout"], "state\n");
+}
+
+/// Pids of the standby shims waiting for `d` (a shim that took a run has
+/// the run's directory as its cwd and lives on with the run).
+fn standby_shims(d: &Daemon) -> Vec<i32> {
+    let want = format!("SBX_SHIM_OF={}", d.state.display());
+    let runs = d.state.join("runs");
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").expect("proc").flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let env = std::fs::read(e.path().join("environ")).unwrap_or_default();
+        let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+        let zombie = stat
+            .rsplit(')')
+            .next()
+            .is_some_and(|r| r.trim_start().starts_with('Z'));
+        let serving = std::fs::read_link(e.path().join("cwd"))
+            .is_ok_and(|c| c.parent() == Some(runs.as_path()));
+        if !zombie && !serving && env.split(|b| *b == 0).any(|v| v == want.as_bytes()) {
+            out.push(pid);
+        }
+    }
+    out
 }
 
 #[test]

@@ -125,6 +125,10 @@ mod tests {
                 init_binary: "/nonexistent".into(),
                 seccomp_bpf: None,
                 cgroup_parent: "/sbx-test".into(),
+                shims: Arc::new(crate::runs::sandbox::ShimPool::new(
+                    "/nonexistent".into(),
+                    "/nonexistent".into(),
+                )),
             }),
             server: "unit".into(),
             token: "t0k".into(),
