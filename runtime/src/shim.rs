@@ -59,6 +59,21 @@ fn dev_null() -> Result<OwnedFd, ShimError> {
         .into())
 }
 
+/// Whether the bundle's spec joins an existing network namespace (a path).
+fn joins_network_namespace(bundle: &std::path::Path) -> bool {
+    let Ok(text) = std::fs::read(bundle.join("config.json")) else {
+        return false;
+    };
+    let Ok(spec) = serde_json::from_slice::<serde_json::Value>(&text) else {
+        return false;
+    };
+    spec["linux"]["namespaces"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|n| n["type"] == "network" && n["path"].is_string())
+}
+
 fn create(paths: &RunPaths, id: &str) -> Result<ShimState, ShimError> {
     nix::sys::prctl::set_child_subreaper(true).map_err(ShimError::Subreaper)?;
     let mut container = ContainerBuilder::new(id.to_string(), SyscallType::Linux)
@@ -73,7 +88,11 @@ fn create(paths: &RunPaths, id: &str) -> Result<ShimState, ShimError> {
         .build()
         .map_err(ShimError::Create)?;
     let init = container.pid().ok_or(ShimError::NoPid)?;
-    sbx_netns::loopback_up_in(init.as_raw()).map_err(ShimError::Loopback)?;
+    // A namespace of the daemon's pool has loopback up already; one
+    // libcontainer made for this run does not.
+    if !joins_network_namespace(&paths.bundle()) {
+        sbx_netns::loopback_up_in(init.as_raw()).map_err(ShimError::Loopback)?;
+    }
     container.start().map_err(ShimError::Start)?;
     let me = std::process::id() as i32;
     let state = ShimState {
@@ -268,5 +287,25 @@ fn wait_init_only(paths: &RunPaths, init_pid: i32, all: &SigSet) -> i32 {
             }
             Err(_) => continue,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_spec_that_joins_a_network_namespace_is_recognised() {
+        let d = tempfile::tempdir().expect("tmp");
+        let write = |v: serde_json::Value| {
+            std::fs::write(d.path().join("config.json"), v.to_string()).expect("write")
+        };
+        write(serde_json::json!({"linux": {"namespaces": [
+            {"type": "pid"}, {"type": "network", "path": "/run/sbx/netns/x"}]}}));
+        assert!(joins_network_namespace(d.path()));
+        write(serde_json::json!({"linux": {"namespaces": [{"type": "network"}]}}));
+        assert!(!joins_network_namespace(d.path()));
+        std::fs::remove_file(d.path().join("config.json")).expect("rm");
+        assert!(!joins_network_namespace(d.path()));
     }
 }

@@ -465,18 +465,19 @@ impl Registry {
                             .as_ref()
                             .zip(run_net.as_ref())
                             .map(|(n, rn)| n.netns_path(&rn.slot));
-                        let created = sandbox::create(&host, &id, &plan, root, netns)
-                            .await
-                            .map(Box::new)
-                            .map_err(|e| {
-                                // An unusable image is the client's problem, the rest ours.
-                                let code = if matches!(e, sandbox::SandboxError::Image(_)) {
-                                    422u16
-                                } else {
-                                    500
-                                };
-                                (code, format!("{:#}", anyhow::Error::from(e)))
-                            });
+                        let created = sandbox::create(&host, &id, &plan, root, netns).await;
+                        if let (Some(n), Some(rn)) = (&net, &run_net) {
+                            n.refill_soon(rn.tier);
+                        }
+                        let created = created.map(Box::new).map_err(|e| {
+                            // An unusable image is the client's problem, the rest ours.
+                            let code = if matches!(e, sandbox::SandboxError::Image(_)) {
+                                422u16
+                            } else {
+                                500
+                            };
+                            (code, format!("{:#}", anyhow::Error::from(e)))
+                        });
                         let mut started = match created {
                             Ok(s) => s,
                             Err(e) => {
