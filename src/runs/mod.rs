@@ -1015,6 +1015,8 @@ impl Runs {
         net: Result<Arc<crate::network::Network>, String>,
     ) -> anyhow::Result<Runs> {
         std::fs::create_dir_all(host.runs_dir())?;
+        // Each run's writable layer in a block group of its own (see there).
+        sbx_images::store::spread_subdirectories(&host.runs_dir());
         let store = Store::open(&host.state_dir.join("sbx.db"))?;
         let sealer = Sealer::load_or_create(&host.state_dir.join("env.key"))?;
         let (tx, mut rx) = mpsc::channel(1024);
