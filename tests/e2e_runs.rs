@@ -38,6 +38,15 @@ fn run_lifecycle_isolation_and_cleanup() {
     assert!(status.contains("CapBnd:\t0000000000000000"), "{status}");
     assert!(status.contains("NoNewPrivs:\t1"), "{status}");
     assert!(status.contains("Seccomp:\t2"), "{status}");
+    // PID 1 installs the same filter itself before anything else.
+    let out = d.sh(
+        &id,
+        "grep -E '^(Seccomp|NoNewPrivs|CapEff):' /proc/1/status",
+    );
+    assert_eq!(
+        out["stdout"], "CapEff:\t0000000000000000\nNoNewPrivs:\t1\nSeccomp:\t2\n",
+        "{out}"
+    );
     // The command holds its three stdio descriptors and nothing of the
     // shim's or the daemon's; 3 is the directory the glob is reading.
     let out = d.sh(&id, "cd /proc/self/fd && echo *");
@@ -45,9 +54,9 @@ fn run_lifecycle_isolation_and_cleanup() {
     // Own pid namespace with the sbx init as PID 1; only loopback.
     let out = d.sh(
         &id,
-        "cat /proc/1/cmdline | tr '\\0' ' '; echo; ls /sys/class/net",
+        "tr '\\0' '\\n' < /proc/1/cmdline | head -n 2 | tr '\\n' ' '; echo; ls /sys/class/net",
     );
-    assert_eq!(out["stdout"], "/.sbx/init \nlo\n");
+    assert_eq!(out["stdout"], "/.sbx/init --seccomp \nlo\n");
     // No cgroup filesystem in the run, and the init binary is read-only.
     let out = d.sh(
         &id,

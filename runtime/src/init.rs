@@ -28,6 +28,39 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_init_installs_the_filter_it_is_given_or_refuses_to_run() {
+        let d = tempfile::tempdir().expect("tmp");
+        let init = install(d.path()).expect("install");
+        // Malformed: not hex, or not whole sock_filter records.
+        for bad in ["zz00000000000000", "0600000000", ""] {
+            let st = std::process::Command::new(&init)
+                .args(["--seccomp", bad])
+                .stderr(std::process::Stdio::null())
+                .status()
+                .expect("run init");
+            assert_eq!(st.code(), Some(126), "{bad:?}");
+        }
+        // One instruction: return SECCOMP_RET_ALLOW (0x7fff0000).
+        let mut child = std::process::Command::new(&init)
+            .args(["--seccomp", "060000000000ff7f"])
+            .spawn()
+            .expect("run init");
+        let status = format!("/proc/{}/status", child.id());
+        let mut filtered = false;
+        for _ in 0..200 {
+            let text = std::fs::read_to_string(&status).unwrap_or_default();
+            if text.contains("Seccomp:\t2") {
+                filtered = true;
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(filtered, "init did not install its filter");
+    }
+
+    #[test]
     fn the_embedded_init_is_a_static_elf() {
         assert_eq!(&INIT_BINARY[..4], b"\x7fELF");
         // No PT_INTERP program header: it needs no dynamic loader in the image.

@@ -278,6 +278,11 @@ fn prepare(
         ro_binds,
         swap_accounting: host.layout.swap_accounting(),
         nofile: spec::nofile_limit(),
+        // Read per run (1.7 KB): the init installs it (see RunSpec).
+        seccomp_bpf: host
+            .seccomp_bpf
+            .as_ref()
+            .and_then(|p| std::fs::read(p).ok()),
         netns,
     })
 }
