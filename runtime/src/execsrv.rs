@@ -87,7 +87,7 @@ impl ExecServer {
             Ok(pid) => self.running.push((pid, conn)),
             Err(e) => {
                 let msg = e.to_string().replace('\n', " ");
-                let _ = writeln!(conn, "error {msg}");
+                let _ = conn.write_all(format!("error {msg}\n").as_bytes());
             }
         }
     }
@@ -151,7 +151,8 @@ impl ExecServer {
     pub fn reaped(&mut self, pid: Pid, code: i32) {
         if let Some(i) = self.running.iter().position(|(p, _)| *p == pid) {
             let (_, mut conn) = self.running.swap_remove(i);
-            let _ = writeln!(conn, "exit {code}");
+            // One write: the daemon wakes once, with the whole line.
+            let _ = conn.write_all(format!("exit {code}\n").as_bytes());
         }
     }
 }
