@@ -765,11 +765,12 @@ struct Pipelined {
 fn pipelined(mut src: impl Read + Send + 'static) -> Pipelined {
     let (tx, rx) = std::sync::mpsc::sync_channel(8);
     std::thread::spawn(move || loop {
-        let mut chunk = vec![0u8; 1 << 20];
-        match src.read(&mut chunk) {
+        // read_to_end fills spare capacity without zeroing it first (a
+        // zeroed 1 MiB per chunk was 9% of a pull's CPU in perf).
+        let mut chunk = Vec::with_capacity(1 << 20);
+        match (&mut src).take(1 << 20).read_to_end(&mut chunk) {
             Ok(0) => return,
-            Ok(n) => {
-                chunk.truncate(n);
+            Ok(_) => {
                 // The reader gave up (an unpack error): stop.
                 if tx.send(Ok(chunk)).is_err() {
                     return;

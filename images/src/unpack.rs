@@ -175,6 +175,9 @@ pub fn unpack(reader: impl Read, root: &Path, limits: Limits) -> Result<Stats, U
     let mut archive = tar::Archive::new(reader);
     let mut dir_times: Vec<(Vec<String>, i64)> = Vec::new();
     let mut cache: Option<(Vec<String>, OwnedFd)> = None;
+    // One copy buffer for the whole layer (a fresh 128 KiB per file was
+    // 1.4 GB of zeroing for the python layer's 11k files).
+    let mut buf = vec![0u8; 128 * 1024];
     for entry in archive.entries().map_err(UnpackError::Read)? {
         let mut entry = entry.map_err(UnpackError::Read)?;
         stats.entries += 1;
@@ -258,20 +261,30 @@ pub fn unpack(reader: impl Read, root: &Path, limits: Limits) -> Result<Stats, U
                 dir_times.push((comps.clone(), mtime));
             }
             tar::EntryType::Regular | tar::EntryType::Continuous => {
-                remove_existing(dir, name, &raw)?;
-                let fd = rustix::fs::openat(
-                    dir,
-                    name.as_str(),
-                    OFlags::WRONLY
-                        | OFlags::CREATE
-                        | OFlags::EXCL
-                        | OFlags::NOFOLLOW
-                        | OFlags::CLOEXEC,
-                    Mode::from_raw_mode(0o600),
-                )
+                let create = || {
+                    rustix::fs::openat(
+                        dir,
+                        name.as_str(),
+                        OFlags::WRONLY
+                            | OFlags::CREATE
+                            | OFlags::EXCL
+                            | OFlags::NOFOLLOW
+                            | OFlags::CLOEXEC,
+                        Mode::from_raw_mode(0o600),
+                    )
+                };
+                // A later entry for the same path replaces the earlier one;
+                // only then is there anything to remove (one syscall less
+                // per file in the common case).
+                let fd = match create() {
+                    Err(rustix::io::Errno::EXIST) => {
+                        remove_existing(dir, name, &raw)?;
+                        create()
+                    }
+                    r => r,
+                }
                 .map_err(|e| werr(&raw, e))?;
                 let mut f = std::fs::File::from(fd);
-                let mut buf = vec![0u8; 128 * 1024];
                 loop {
                     let n = entry.read(&mut buf).map_err(UnpackError::Read)?;
                     if n == 0 {
@@ -455,6 +468,23 @@ mod tests {
             m.ino()
         );
         assert!(!t.path().join("dev/null").exists());
+    }
+
+    #[test]
+    fn a_later_entry_replaces_an_earlier_one() {
+        let t = tempfile::tempdir().expect("tmp");
+        let data = tar_of(&[
+            ("a.txt", tar::EntryType::Regular, b"one", None, 0o644),
+            ("d/", tar::EntryType::Directory, b"", None, 0o755),
+            ("d/x", tar::EntryType::Regular, b"x", None, 0o644),
+            ("a.txt", tar::EntryType::Regular, b"second", None, 0o600),
+            ("d", tar::EntryType::Regular, b"now a file", None, 0o644),
+        ]);
+        unpack(&data[..], t.path(), BIG).expect("unpack");
+        assert_eq!(std::fs::read(t.path().join("a.txt")).expect("a"), b"second");
+        let m = std::fs::metadata(t.path().join("a.txt")).expect("meta");
+        assert_eq!(m.permissions().mode() & 0o7777, 0o600);
+        assert_eq!(std::fs::read(t.path().join("d")).expect("d"), b"now a file");
     }
 
     #[test]
