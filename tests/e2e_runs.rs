@@ -38,6 +38,14 @@ fn run_lifecycle_isolation_and_cleanup() {
     assert!(status.contains("CapBnd:\t0000000000000000"), "{status}");
     assert!(status.contains("NoNewPrivs:\t1"), "{status}");
     assert!(status.contains("Seccomp:\t2"), "{status}");
+    // No signal starts ignored, in an exec or in PID 1, however the daemon
+    // was started (the tests start it from a process that ignores SIGPIPE).
+    let out = d.sh(&id, "grep SigIgn: /proc/self/status /proc/1/status");
+    assert_eq!(
+        out["stdout"],
+        "/proc/self/status:SigIgn:\t0000000000000000\n/proc/1/status:SigIgn:\t0000000000000000\n",
+        "{out}"
+    );
     // PID 1 installs the same filter itself before anything else.
     let out = d.sh(
         &id,

@@ -158,6 +158,63 @@ pub(crate) fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
+/// Puts every ignored signal back to its default action. SIG_IGN
+/// survives execve, and the shim and helper inherit ignores from whoever
+/// started the daemon (nohup: SIGHUP; a background shell job: SIGINT and
+/// SIGQUIT) and from Rust's runtime (SIGPIPE): without this, a `yes | head`
+/// in a run would never see its SIGPIPE.
+pub fn reset_signal_dispositions() {
+    // The kernel's struct sigaction (glibc's wrapper refuses the two
+    // signals it keeps for itself, 32 and 33, which can be inherited as
+    // ignored too).
+    #[repr(C)]
+    struct KernelSigaction {
+        handler: usize,
+        flags: u64,
+        restorer: usize,
+        mask: u64,
+    }
+    let dfl = KernelSigaction {
+        handler: libc::SIG_DFL,
+        flags: 0,
+        restorer: 0,
+        mask: 0,
+    };
+    for sig in 1..=64 {
+        if sig == libc::SIGKILL || sig == libc::SIGSTOP {
+            continue;
+        }
+        let mut old = KernelSigaction {
+            handler: libc::SIG_DFL,
+            flags: 0,
+            restorer: 0,
+            mask: 0,
+        };
+        // Only ignored signals are reset: a handler (glibc's own, for 32 and
+        // 33 in a threaded process) is left alone here and dropped by execve.
+        // SAFETY: both structs outlive the calls and match the kernel's
+        // layout (size 8 for the mask).
+        unsafe {
+            let read = libc::syscall(
+                libc::SYS_rt_sigaction,
+                sig,
+                std::ptr::null::<KernelSigaction>(),
+                &mut old as *mut KernelSigaction,
+                8usize,
+            );
+            if read == 0 && old.handler == libc::SIG_IGN {
+                libc::syscall(
+                    libc::SYS_rt_sigaction,
+                    sig,
+                    &dfl as *const KernelSigaction,
+                    std::ptr::null_mut::<KernelSigaction>(),
+                    8usize,
+                );
+            }
+        }
+    }
+}
+
 /// Installs a classic BPF seccomp program (libseccomp's export format:
 /// native-endian `sock_filter` records). `no_new_privs` must already be set.
 fn load_bpf(prog: &[u8]) -> std::io::Result<()> {
@@ -208,6 +265,7 @@ fn lookup_path(argv0: &str, env: &[String]) -> Option<String> {
 
 /// Runs in the forked child, inside the run's namespaces; returns only on error.
 pub(crate) fn child(req: &ExecRequest, bpf: Option<&[u8]>) -> i32 {
+    reset_signal_dispositions();
     // Drop the bounding set while we still hold CAP_SETPCAP.
     for cap in caps::all() {
         let _ = caps::drop(None, caps::CapSet::Bounding, cap);

@@ -163,6 +163,8 @@ pub fn standby_main() -> i32 {
 /// Entry point of `sbx shim <run-dir> <id>`; returns the process exit code.
 pub fn shim_main(run_dir: PathBuf, id: &str) -> i32 {
     let _ = nix::unistd::setsid();
+    // The run's init inherits the shim's dispositions (see there).
+    crate::exec::reset_signal_dispositions();
     let all = SigSet::all();
     // Signals are taken synchronously below; nothing else runs here.
     let _ = nix::sys::signal::sigprocmask(SigmaskHow::SIG_BLOCK, Some(&all), None);
