@@ -92,7 +92,7 @@ async fn run(cfg: Config, state_dir: std::path::PathBuf) -> anyhow::Result<()> {
         self_exe.clone(),
         state_dir.clone(),
     ));
-    shims.refill();
+    shims.start().await;
     let host = Arc::new(Host {
         cgroup_parent: cgroup_parent(&state_dir),
         state_dir: state_dir.clone(),

@@ -299,6 +299,17 @@ fn exec_contract() {
     );
     let v = d.exec(&id, json!({"cmd": "grep Seccomp: /proc/self/status"}));
     assert_eq!(v["stdout"], "Seccomp:\t2\n", "{v}");
+    // A dead shim zygote is replaced at the next create.
+    for pid in zygotes(&d) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    wait_for("zygote killed", 5, || zygotes(&d).is_empty());
+    let again = d.create(json!({}));
+    assert_eq!(d.sh(&again, "echo ok")["stdout"], "ok\n");
+    assert_eq!(zygotes(&d).len(), 1, "one new zygote");
 }
 
 #[test]
@@ -470,13 +481,10 @@ fn runs_survive_kill_9_and_still_expire() {
     let id = d.create(json!({"ttlSec": 6, "env": {"KEEP": "kept-across-restart"}}));
     let long = d.create(json!({"ttlSec": 600}));
     d.sh(&long, "echo state > /work/f");
-    assert!(
-        !standby_shims(&d).is_empty(),
-        "the daemon keeps standby shims"
-    );
+    assert!(!zygotes(&d).is_empty(), "the daemon keeps a shim zygote");
     d.kill9();
-    // Its standby shims go with it (their stdin ends).
-    wait_for("standby shims gone", 5, || standby_shims(&d).is_empty());
+    // Its shim zygote goes with it (its socket ends); the runs' shims stay.
+    wait_for("shim zygote gone", 5, || zygotes(&d).is_empty());
     // Nothing the client was told is lost; the sandboxes are still there.
     d.spawn();
     let (_, v) = d.call(Method::GET, &format!("/v1/runs/{id}"), None);
@@ -501,9 +509,9 @@ fn runs_survive_kill_9_and_still_expire() {
     assert_eq!(d.sh(&long, "cat /work/f")["stdout"], "state\n");
 }
 
-/// Pids of the standby shims waiting for `d` (a shim that took a run has
-/// the run's directory as its cwd and lives on with the run).
-fn standby_shims(d: &Daemon) -> Vec<i32> {
+/// Pids of the shim zygote of `d` (the shims forked from it carry the same
+/// environment, have their run's directory as cwd and live on with the run).
+fn zygotes(d: &Daemon) -> Vec<i32> {
     let want = format!("SBX_SHIM_OF={}", d.state.display());
     let runs = d.state.join("runs");
     let mut out = Vec::new();

@@ -328,15 +328,10 @@ impl Registry {
         });
     }
 
-    fn watch(&self, id: String, started: Option<tokio::process::Child>, shim: ShimState) {
+    fn watch(&self, id: String, shim: ShimState) {
         let tx = self.tx.clone();
         tokio::spawn(async move {
-            match started {
-                Some(mut child) => {
-                    let _ = child.wait().await;
-                }
-                None => wait_pid_exit(shim.shim_pid, shim.shim_start).await,
-            }
+            wait_pid_exit(shim.shim_pid, shim.shim_start).await;
             let _ = tx.send(Cmd::ShimExited(id, shim.shim_start)).await;
         });
     }
@@ -526,7 +521,7 @@ impl Registry {
                             e.proxy = started.proxy;
                         }
                         let persisted = self.persist(&id, None, "");
-                        self.watch(id.clone(), Some(started.child), shim);
+                        self.watch(id.clone(), shim);
                         match persisted {
                             Ok(()) => {
                                 tracing::info!(run = %id, "run created");
@@ -553,10 +548,6 @@ impl Registry {
                         if let Some(e) = self.runs.get_mut(&id) {
                             e.rec.net = started.net.take();
                         }
-                        let mut child = started.child;
-                        tokio::spawn(async move {
-                            let _ = child.wait().await;
-                        });
                         self.spawn_destroy(id.clone(), false, None);
                         let _ = reply.send(Err(RunError::NotRunning {
                             id,
@@ -888,7 +879,7 @@ impl Registry {
         for id in &adopted {
             if let Some(s) = self.runs.get(id).and_then(|e| e.shim) {
                 tracing::info!(run = %id, "re-adopted run");
-                self.watch(id.clone(), None, s);
+                self.watch(id.clone(), s);
             }
             let rn = self.runs.get(id).and_then(|e| e.rec.net.clone());
             if let (Some(rn), Ok(n)) = (rn.filter(|r| r.proxy_port.is_some()), &self.net) {
@@ -991,7 +982,27 @@ fn dedup_env(env: Vec<(String, String)>) -> Vec<(String, String)> {
 }
 
 /// Resolves when the process `pid` (started at `start`) has exited.
+/// Returns once process `pid` (started at `start`) has ended: at once
+/// through a pidfd, polling only if pidfds are unavailable.
+#[allow(unsafe_code)]
 async fn wait_pid_exit(pid: i32, start: u64) {
+    let pidfd = rustix::process::Pid::from_raw(pid)
+        .and_then(|p| rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok());
+    // Checked after opening: the pidfd pins this process, not a later one.
+    if !sbx_runtime::alive(pid, start) {
+        return;
+    }
+    if let Some(fd) = pidfd {
+        // SAFETY: the AsyncFd owns the OwnedFd, so the descriptor stays open
+        // and the same for the AsyncFd's whole life.
+        let registered = unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE)
+        };
+        if let Ok(afd) = registered {
+            let _ = afd.readable().await;
+            return;
+        }
+    }
     loop {
         if !sbx_runtime::alive(pid, start) {
             return;

@@ -3,13 +3,14 @@
 //! down again (shim, processes, cgroups, mounts, files) — including after a
 //! crash, from whatever is left on disk.
 
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+use tokio::io::AsyncBufReadExt;
 
 use sbx_images::host::{self, RunUser};
 use sbx_runtime::{cgroups, spec, BindMount, Layout, RunPaths, RunSpec, ShimState};
@@ -60,26 +61,20 @@ pub struct Host {
     pub seccomp_bpf: Option<PathBuf>,
     /// cgroup parent of this daemon's runs, e.g. `/sbx-1a2b3c4d`.
     pub cgroup_parent: String,
-    /// Shims started ahead of need.
+    /// The zygote shims are forked from.
     pub shims: std::sync::Arc<ShimPool>,
 }
 
-/// How many standby shims are kept ready.
-const SHIM_POOL: usize = 2;
-
-/// Shims started ahead of need (`sbx shim --standby`): a create hands one its
-/// run instead of waiting for this binary to start (~2.5 ms measured: exec,
-/// loading and faulting in a 28 MB executable). A standby shim costs its
-/// RSS and exits when the daemon goes (stdin EOF). Standby shims start under
-/// SCHED_IDLE, so starting them never takes CPU from a create or an exec in
-/// flight; the one taken is put back to SCHED_OTHER before it gets its run.
+/// The daemon's shim zygote (`sbx shim --zygote`, see there): every shim
+/// is forked from it. Restarted on demand if it died.
 #[derive(Debug)]
 pub struct ShimPool {
     self_exe: PathBuf,
-    /// Set as `SBX_SHIM_OF` in a standby shim's environment: which daemon
-    /// it waits for (tests check none outlives its daemon).
+    /// Set as `SBX_SHIM_OF` in the zygote's environment (and so its
+    /// shims'): which daemon it belongs to (tests check it does not outlive
+    /// its daemon).
     state_dir: PathBuf,
-    ready: std::sync::Mutex<Vec<tokio::process::Child>>,
+    zygote: tokio::sync::Mutex<Option<(tokio::process::Child, OwnedFd)>>,
 }
 
 impl ShimPool {
@@ -87,76 +82,87 @@ impl ShimPool {
         ShimPool {
             self_exe,
             state_dir,
-            ready: std::sync::Mutex::new(Vec::new()),
+            zygote: tokio::sync::Mutex::new(None),
         }
     }
 
-    fn spawn(&self) -> std::io::Result<tokio::process::Child> {
-        let child = self.spawn_normal()?;
-        if let Some(pid) = child.id() {
-            sbx_runtime::shim::set_idle(pid, true);
-        }
-        Ok(child)
-    }
-
-    fn spawn_normal(&self) -> std::io::Result<tokio::process::Child> {
-        tokio::process::Command::new(&self.self_exe)
+    fn spawn(&self) -> std::io::Result<(tokio::process::Child, OwnedFd)> {
+        use nix::sys::socket::{socketpair, AddressFamily, SockFlag, SockType};
+        let (ours, theirs) = socketpair(
+            AddressFamily::Unix,
+            SockType::SeqPacket,
+            None,
+            SockFlag::SOCK_CLOEXEC,
+        )
+        .map_err(std::io::Error::from)?;
+        let child = tokio::process::Command::new(&self.self_exe)
             .arg("shim")
-            .arg("--standby")
+            .arg("--zygote")
             .env_clear()
             .env("RUST_LOG", "error")
             .env("SBX_SHIM_OF", &self.state_dir)
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
+            .stdin(std::process::Stdio::from(theirs))
+            .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
-            .spawn()
+            .spawn()?;
+        Ok((child, ours))
     }
 
-    fn ready(&self) -> std::sync::MutexGuard<'_, Vec<tokio::process::Child>> {
-        self.ready.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// A standby shim, started now if none is ready. The caller refills the
-    /// pool once its run is up: a shim starting meanwhile would take CPU
-    /// from the create (measured: +1 ms each on the shim's two stages).
-    pub fn take(self: &std::sync::Arc<Self>) -> std::io::Result<tokio::process::Child> {
-        let ready = loop {
-            let next = self.ready().pop();
-            match next {
-                // One that died in standby (killed by hand) is skipped.
-                Some(mut c) => {
-                    if matches!(c.try_wait(), Ok(None)) {
-                        break Some(c);
-                    }
-                }
-                None => break None,
+    /// Starts the zygote now rather than at the first create.
+    pub async fn start(&self) {
+        let mut z = self.zygote.lock().await;
+        if z.is_none() {
+            match self.spawn() {
+                Ok(s) => *z = Some(s),
+                Err(e) => tracing::warn!(error = %e, "start the shim zygote"),
             }
-        };
-        match ready {
-            Some(c) => {
-                if let Some(pid) = c.id() {
-                    sbx_runtime::shim::set_idle(pid, false);
-                }
-                Ok(c)
-            }
-            None => self.spawn_normal(),
         }
     }
 
-    /// Tops the pool up in the background.
-    pub fn refill(self: &std::sync::Arc<Self>) {
-        let me = self.clone();
-        tokio::spawn(async move {
-            while me.ready().len() < SHIM_POOL {
-                match me.spawn() {
-                    Ok(c) => me.ready().push(c),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "start a standby shim");
-                        return;
-                    }
+    /// Has the zygote fork a shim for the run in `dir`; returns the pipe the
+    /// shim answers `ready <pid>` or `error <why>` on.
+    pub async fn fork_shim(
+        &self,
+        dir: &Path,
+        id: &str,
+    ) -> std::io::Result<tokio::net::unix::pipe::Receiver> {
+        use std::os::fd::{AsFd, AsRawFd};
+        let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+        let line = format!("{}\t{id}\n", dir.display());
+        let mut z = self.zygote.lock().await;
+        let mut last = None;
+        for _ in 0..2 {
+            let alive = match z.as_mut() {
+                Some((c, _)) => matches!(c.try_wait(), Ok(None)),
+                None => false,
+            };
+            if !alive {
+                *z = Some(self.spawn()?);
+            }
+            let Some((_, sock)) = z.as_ref() else {
+                continue;
+            };
+            let raw = [w.as_fd().as_raw_fd()];
+            let sent = nix::sys::socket::sendmsg::<()>(
+                sock.as_raw_fd(),
+                &[std::io::IoSlice::new(line.as_bytes())],
+                &[nix::sys::socket::ControlMessage::ScmRights(&raw)],
+                nix::sys::socket::MsgFlags::MSG_NOSIGNAL,
+                None,
+            );
+            match sent {
+                Ok(_) => {
+                    drop(w);
+                    return tokio::net::unix::pipe::Receiver::from_owned_fd(r);
+                }
+                Err(e) => {
+                    // The zygote is gone: start another and try once more.
+                    last = Some(std::io::Error::from(e));
+                    *z = None;
                 }
             }
-        });
+        }
+        Err(last.unwrap_or_else(|| std::io::Error::other("no shim zygote")))
     }
 }
 
@@ -287,10 +293,9 @@ fn prepare(
     })
 }
 
-/// A shim that reported ready; `child` must be waited on by the caller.
+/// A shim that reported ready (a child of the zygote, not of the daemon).
 pub struct Started {
     pub shim: ShimState,
-    pub child: tokio::process::Child,
     /// The image's environment (empty for `host`).
     pub image_env: Vec<(String, String)>,
     /// The run's egress proxy (allowlist tier), set once networking is up.
@@ -336,28 +341,17 @@ async fn create_inner(
     let t_prepare = t0.elapsed();
     spec::write_bundle(&paths.bundle(), &spec).map_err(SandboxError::Bundle)?;
     let t_bundle = t0.elapsed();
-    let mut child = host.shims.take().map_err(SandboxError::Spawn)?;
-    let mut stdin = child
-        .stdin
-        .take()
-        .ok_or_else(|| SandboxError::Shim("no stdin".into()))?;
-    let assignment = format!("{}\t{id}\n", paths.dir.display());
-    stdin
-        .write_all(assignment.as_bytes())
+    let stdout = host
+        .shims
+        .fork_shim(&paths.dir, id)
         .await
         .map_err(SandboxError::Spawn)?;
-    drop(stdin);
-    let stdout = child
-        .stdout
-        .take()
-        .ok_or_else(|| SandboxError::Shim("no stdout".into()))?;
     let mut line = String::new();
     let mut reader = tokio::io::BufReader::new(stdout);
     let read = reader.read_line(&mut line);
     let ok = tokio::time::timeout(Duration::from_secs(30), read).await;
     if !matches!(ok, Ok(Ok(n)) if n > 0) || !line.starts_with("ready ") {
-        let _ = child.start_kill();
-        let _ = child.wait().await;
+        // A shim still at work is found by its cwd and killed by destroy().
         let msg = line
             .strip_prefix("error ")
             .unwrap_or("shim exited without a word")
@@ -367,7 +361,6 @@ async fn create_inner(
         tracing::warn!(run = id, shim_log = %last.join(" | "), "shim failed");
         return Err(SandboxError::Shim(msg.to_string()));
     }
-    host.shims.refill();
     let shim = ShimState::load(&paths).map_err(SandboxError::ShimState)?;
     tracing::debug!(
         run = id,
@@ -378,7 +371,6 @@ async fn create_inner(
     );
     Ok(Started {
         shim,
-        child,
         image_env,
         proxy: None,
         net: None,
@@ -481,8 +473,9 @@ pub fn find_shims(runs_dir: &Path) -> Vec<(i32, String)> {
             continue;
         };
         let args: Vec<&[u8]> = cmd.split(|b| *b == 0).collect();
-        if args.len() >= 3 && args[1] == b"shim" && args[2] == b"--standby" {
-            // A pool shim names its run by its working directory.
+        if args.len() >= 3 && args[1] == b"shim" && args[2] == b"--zygote" {
+            // A forked shim names its run by its working directory (the
+            // zygote's own is elsewhere).
             let Ok(dir) = std::fs::read_link(e.path().join("cwd")) else {
                 continue;
             };
