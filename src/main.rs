@@ -45,18 +45,14 @@ fn main() {
     // helper must stay single-threaded.
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
-        Some("shim") if args.len() == 4 || args.get(2).is_some_and(|a| a == "--zygote") => {
+        Some("shim") if args.get(2).is_some_and(|a| a == "--zygote") => {
             // libcontainer reports through tracing; the shim's stderr is its log file.
             tracing_subscriber::fmt()
                 .with_env_filter(tracing_subscriber::EnvFilter::new("error"))
                 .with_ansi(false)
                 .with_writer(std::io::stderr)
                 .init();
-            std::process::exit(if args.len() == 4 {
-                sbx_runtime::shim::shim_main(args[2].clone().into(), &args[3])
-            } else {
-                sbx_runtime::shim::zygote_main()
-            })
+            std::process::exit(sbx_runtime::shim::zygote_main())
         }
         Some("exec-helper") => std::process::exit(sbx_runtime::exec::helper_main()),
         _ => {}

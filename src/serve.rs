@@ -77,30 +77,33 @@ async fn run(cfg: Config, state_dir: std::path::PathBuf) -> anyhow::Result<()> {
     let self_exe = std::fs::canonicalize("/proc/self/exe")?;
     let init_binary = sbx_runtime::init::install(&state_dir.join("bin"))?;
     // Compiled once: an exec loads the program instead of building it (~1 ms).
-    let seccomp_bpf = match sbx_runtime::seccomp::export_bpf() {
+    let seccomp = match sbx_runtime::seccomp::export_bpf() {
         Ok(prog) => {
             let path = state_dir.join("bin/seccomp.bpf");
             sbx_runtime::write_atomic(&path, &prog)?;
-            Some(path)
+            Some(crate::runs::sandbox::Seccomp {
+                path,
+                program: Arc::new(prog),
+            })
         }
         Err(e) => {
             tracing::warn!(error = %e, "precompiling seccomp failed; each exec compiles it");
             None
         }
     };
-    let shims = Arc::new(crate::runs::sandbox::ShimPool::new(
+    let zygote = Arc::new(crate::runs::sandbox::ShimZygote::new(
         self_exe.clone(),
         state_dir.clone(),
     ));
-    shims.start().await;
+    zygote.start().await;
     let host = Arc::new(Host {
         cgroup_parent: cgroup_parent(&state_dir),
         state_dir: state_dir.clone(),
         layout,
         self_exe,
         init_binary,
-        seccomp_bpf,
-        shims,
+        seccomp,
+        zygote,
     });
     sbx_runtime::cgroups::create(&host.layout, &host.cgroup_parent)?;
     if !cfg.egress_allow.is_empty() {

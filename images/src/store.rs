@@ -509,14 +509,11 @@ impl ImageStore {
                 reason: format!("layer {digest}: {e}"),
             })?
             .stream;
-        let (tx, rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(64);
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
         let (vtx, vrx) = std::sync::mpsc::sync_channel(1);
         let (store, d) = (self.clone(), digest.clone());
         let unpacking = tokio::task::spawn_blocking(move || {
-            let src = ChannelReader {
-                rx,
-                buf: bytes::Bytes::new(),
-            };
+            let src = ChunkReader::new(rx);
             store.register_stream(&d, src, compression, Some(vrx))
         });
         let mut done: u64 = 0;
@@ -538,7 +535,7 @@ impl ImageStore {
                             });
                         }
                     }
-                    let _ = tx.send(c).await;
+                    let _ = tx.send(Ok(c)).await;
                 }
                 Err(e) => {
                     fetched = Err(e.to_string());
@@ -732,19 +729,29 @@ pub fn spread_subdirectories(dir: &Path) {
     }
 }
 
-/// A blocking reader over chunks sent from an async task (a download).
-struct ChannelReader {
-    rx: tokio::sync::mpsc::Receiver<bytes::Bytes>,
+/// A blocking reader over chunks another task or thread sends: a download
+/// (an async task) or an inflate thread reading ahead ([`pipelined`]). An
+/// `Err` chunk is returned as the read error; the sender gone is the end (a
+/// failed download says so through its verdict).
+struct ChunkReader {
+    rx: tokio::sync::mpsc::Receiver<std::io::Result<bytes::Bytes>>,
     buf: bytes::Bytes,
 }
 
-impl Read for ChannelReader {
+impl ChunkReader {
+    fn new(rx: tokio::sync::mpsc::Receiver<std::io::Result<bytes::Bytes>>) -> ChunkReader {
+        ChunkReader {
+            rx,
+            buf: bytes::Bytes::new(),
+        }
+    }
+}
+
+impl Read for ChunkReader {
     fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
         while self.buf.is_empty() {
             match self.rx.blocking_recv() {
-                Some(chunk) => self.buf = chunk,
-                // The sender is done: the end, or a failed download (the
-                // verdict says which).
+                Some(chunk) => self.buf = chunk?,
                 None => return Ok(0),
             }
         }
@@ -755,58 +762,29 @@ impl Read for ChannelReader {
     }
 }
 
-/// A reader fed by another thread that reads `src` ahead in 1 MiB chunks.
-struct Pipelined {
-    rx: std::sync::mpsc::Receiver<std::io::Result<Vec<u8>>>,
-    buf: Vec<u8>,
-    pos: usize,
-}
-
-fn pipelined(mut src: impl Read + Send + 'static) -> Pipelined {
-    let (tx, rx) = std::sync::mpsc::sync_channel(8);
+/// A reader fed by a thread of its own that reads `src` ahead in 1 MiB chunks.
+fn pipelined(mut src: impl Read + Send + 'static) -> ChunkReader {
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
     std::thread::spawn(move || loop {
         // read_to_end fills spare capacity without zeroing it first (a
         // zeroed 1 MiB per chunk was 9% of a pull's CPU in perf).
         let mut chunk = Vec::with_capacity(1 << 20);
         match (&mut src).take(1 << 20).read_to_end(&mut chunk) {
             Ok(0) => return,
+            // The reader gave up (an unpack error): stop.
             Ok(_) => {
-                // The reader gave up (an unpack error): stop.
-                if tx.send(Ok(chunk)).is_err() {
+                if tx.blocking_send(Ok(bytes::Bytes::from(chunk))).is_err() {
                     return;
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => {
-                let _ = tx.send(Err(e));
+                let _ = tx.blocking_send(Err(e));
                 return;
             }
         }
     });
-    Pipelined {
-        rx,
-        buf: Vec::new(),
-        pos: 0,
-    }
-}
-
-impl Read for Pipelined {
-    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
-        if self.pos == self.buf.len() {
-            match self.rx.recv() {
-                Ok(Ok(chunk)) => {
-                    self.buf = chunk;
-                    self.pos = 0;
-                }
-                Ok(Err(e)) => return Err(e),
-                Err(_) => return Ok(0),
-            }
-        }
-        let n = out.len().min(self.buf.len() - self.pos);
-        out[..n].copy_from_slice(&self.buf[self.pos..self.pos + n]);
-        self.pos += n;
-        Ok(n)
-    }
+    ChunkReader::new(rx)
 }
 
 struct RemoveOnDrop(PathBuf);
@@ -905,17 +883,14 @@ mod tests {
                 tar.chunks(700).map(bytes::Bytes::copy_from_slice).collect();
             let feeder = std::thread::spawn(move || {
                 for c in chunks {
-                    if tx.blocking_send(c).is_err() {
+                    if tx.blocking_send(Ok(c)).is_err() {
                         break;
                     }
                 }
                 drop(tx);
                 let _ = vtx.send(verdict);
             });
-            let src = ChannelReader {
-                rx,
-                buf: bytes::Bytes::new(),
-            };
+            let src = ChunkReader::new(rx);
             (src, vrx, feeder)
         };
         let (src, vrx, feeder) = stream(Err("digest mismatch".into()));

@@ -540,18 +540,16 @@ mod tests {
         assert!(!t.path().join("etc/.wh.gone").exists());
     }
 
+    const SMALL: Limits = Limits {
+        max_bytes: 1000,
+        max_entries: 10,
+    };
+
     #[test]
     fn bombs_are_stopped() {
         let t = tempfile::tempdir().expect("tmp");
         let data = tar_of(&[("big", tar::EntryType::Regular, &[0u8; 4096], None, 0o644)]);
-        let r = unpack(
-            &data[..],
-            t.path(),
-            Limits {
-                max_bytes: 1000,
-                max_entries: 10,
-            },
-        );
+        let r = unpack(&data[..], t.path(), SMALL);
         assert!(
             matches!(r, Err(UnpackError::TooLarge { limit: 1000 })),
             "{r:?}"
@@ -572,14 +570,7 @@ mod tests {
             .map(|(a, b, c, d, e)| (a.as_str(), *b, *c, *d, *e))
             .collect();
         let t = tempfile::tempdir().expect("tmp");
-        let r = unpack(
-            &tar_of(&refs)[..],
-            t.path(),
-            Limits {
-                max_bytes: 1000,
-                max_entries: 10,
-            },
-        );
+        let r = unpack(&tar_of(&refs)[..], t.path(), SMALL);
         assert!(
             matches!(r, Err(UnpackError::TooManyEntries { limit: 10 })),
             "{r:?}"

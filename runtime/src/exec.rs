@@ -111,13 +111,8 @@ pub fn helper_main() -> i32 {
     if crate::start_time(req.init_pid) != Some(req.init_start) {
         return fail(EXIT_CANNOT_ENTER, "run is not running");
     }
-    let flags = CloneFlags::CLONE_NEWNS
-        | CloneFlags::CLONE_NEWPID
-        | CloneFlags::CLONE_NEWNET
-        | CloneFlags::CLONE_NEWUTS
-        | CloneFlags::CLONE_NEWIPC
-        | CloneFlags::CLONE_NEWCGROUP;
-    if let Err(e) = setns(pidfd.as_fd(), flags) {
+    // Into the pid namespace too: this helper forks the command below.
+    if let Err(e) = setns(pidfd.as_fd(), run_namespaces() | CloneFlags::CLONE_NEWPID) {
         return fail(EXIT_CANNOT_ENTER, &format!("enter run namespaces: {e}"));
     }
     drop(pidfd);
@@ -146,6 +141,16 @@ pub fn helper_main() -> i32 {
             }
         }
     }
+}
+
+/// The run's namespaces an exec enters, beside its pid namespace (which
+/// only a fork after setns can be in).
+pub(crate) fn run_namespaces() -> CloneFlags {
+    CloneFlags::CLONE_NEWNS
+        | CloneFlags::CLONE_NEWNET
+        | CloneFlags::CLONE_NEWUTS
+        | CloneFlags::CLONE_NEWIPC
+        | CloneFlags::CLONE_NEWCGROUP
 }
 
 pub(crate) fn pidfd_open(pid: i32) -> std::io::Result<OwnedFd> {

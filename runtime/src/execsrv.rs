@@ -14,19 +14,20 @@
 
 #![allow(unsafe_code)]
 
-use std::io::{self, IoSliceMut, Read, Write};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::io::{self, Read, Write};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use nix::sched::{setns, CloneFlags};
 use nix::sys::signal::{SigSet, SigmaskHow};
-use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
 use nix::unistd::{fork, ForkResult, Pid};
 
 use crate::cgroups::{self, Layout};
 use crate::exec::{ExecRequest, EXIT_CANNOT_ENTER};
+use crate::fdpass;
 use crate::RunPaths;
 
 /// Largest request accepted (argv, env and stdin are bounded far below).
@@ -40,6 +41,8 @@ pub struct ExecServer {
     init: OwnedFd,
     /// Commands started and not yet reaped, with the connection to answer.
     running: Vec<(Pid, UnixStream)>,
+    /// The seccomp program, read once from the path the requests name.
+    bpf: Option<(PathBuf, Vec<u8>)>,
 }
 
 impl ExecServer {
@@ -59,6 +62,7 @@ impl ExecServer {
             layout,
             init,
             running: Vec::new(),
+            bpf: None,
         })
     }
 
@@ -82,7 +86,10 @@ impl ExecServer {
             .set_nonblocking(false)
             .and_then(|()| conn.set_read_timeout(Some(Duration::from_secs(2))))
             .and_then(|()| recv_request(&conn))
-            .and_then(|(req, stdio)| self.spawn(&req, stdio));
+            .and_then(|(req, stdio)| {
+                self.load_bpf(&req)?;
+                self.spawn(&req, stdio)
+            });
         match started {
             Ok(pid) => self.running.push((pid, conn)),
             Err(e) => {
@@ -92,16 +99,26 @@ impl ExecServer {
         }
     }
 
+    /// Reads the request's seccomp program on the host's side, once per path.
+    fn load_bpf(&mut self, req: &ExecRequest) -> io::Result<()> {
+        if let Some(p) = &req.seccomp_bpf {
+            if self.bpf.as_ref().is_none_or(|(have, _)| have != p) {
+                self.bpf = Some((p.clone(), std::fs::read(p)?));
+            }
+        }
+        Ok(())
+    }
+
     fn spawn(&self, req: &ExecRequest, stdio: [OwnedFd; 3]) -> io::Result<Pid> {
-        // Read on the host's side, before the child enters the run.
-        let bpf = match &req.seccomp_bpf {
-            Some(p) => Some(std::fs::read(p)?),
-            None => None,
-        };
+        let bpf = req
+            .seccomp_bpf
+            .as_ref()
+            .and(self.bpf.as_ref())
+            .map(|(_, prog)| prog.as_slice());
         // SAFETY: the shim is single-threaded, so the child may run any code.
         match unsafe { fork() }.map_err(io::Error::from)? {
             ForkResult::Child => {
-                let code = self.child(req, &stdio, bpf.as_deref());
+                let code = self.child(req, &stdio, bpf);
                 // SAFETY: _exit is always safe; nothing of the shim's may run here.
                 unsafe { libc::_exit(code) }
             }
@@ -135,12 +152,7 @@ impl ExecServer {
         if let Err(e) = cgroups::join_exec(&self.layout, &req.cgroup, 0) {
             return crate::exec::fail(EXIT_CANNOT_ENTER, &format!("join exec cgroup: {e}"));
         }
-        let flags = CloneFlags::CLONE_NEWNS
-            | CloneFlags::CLONE_NEWNET
-            | CloneFlags::CLONE_NEWUTS
-            | CloneFlags::CLONE_NEWIPC
-            | CloneFlags::CLONE_NEWCGROUP;
-        if let Err(e) = setns(self.init.as_fd(), flags) {
+        if let Err(e) = setns(self.init.as_fd(), crate::exec::run_namespaces()) {
             return crate::exec::fail(EXIT_CANNOT_ENTER, &format!("enter run namespaces: {e}"));
         }
         crate::exec::child(req, bpf)
@@ -160,25 +172,7 @@ impl ExecServer {
 /// Reads one request and its three stdio descriptors.
 fn recv_request(conn: &UnixStream) -> io::Result<(ExecRequest, [OwnedFd; 3])> {
     let mut buf = vec![0u8; 64 * 1024];
-    let mut cmsg = nix::cmsg_space!([RawFd; 3]);
-    let (n, fds) = {
-        let mut iov = [IoSliceMut::new(&mut buf)];
-        let msg = recvmsg::<()>(
-            conn.as_raw_fd(),
-            &mut iov,
-            Some(&mut cmsg),
-            MsgFlags::MSG_CMSG_CLOEXEC,
-        )
-        .map_err(io::Error::from)?;
-        let mut fds: Vec<OwnedFd> = Vec::new();
-        for c in msg.cmsgs().map_err(io::Error::from)? {
-            if let ControlMessageOwned::ScmRights(raw) = c {
-                // SAFETY: the kernel installed these descriptors for us.
-                fds.extend(raw.into_iter().map(|f| unsafe { OwnedFd::from_raw_fd(f) }));
-            }
-        }
-        (msg.bytes, fds)
-    };
+    let (n, fds) = fdpass::recv_with_fds(conn.as_fd(), &mut buf)?;
     let stdio: [OwnedFd; 3] = fds
         .try_into()
         .map_err(|_| io::Error::other("expected stdin, stdout and stderr descriptors"))?;
@@ -205,11 +199,7 @@ pub fn send_request(
     request: &[u8],
     stdio: [BorrowedFd<'_>; 3],
 ) -> io::Result<()> {
-    let raw = stdio.map(|f| f.as_raw_fd());
-    let cmsg = [ControlMessage::ScmRights(&raw)];
-    let iov = [io::IoSlice::new(request)];
-    let sent = sendmsg::<()>(conn.as_raw_fd(), &iov, &cmsg, MsgFlags::MSG_NOSIGNAL, None)
-        .map_err(io::Error::from)?;
+    let sent = fdpass::send_with_fds(conn.as_fd(), request, &stdio)?;
     if sent < request.len() {
         (&*conn).write_all(&request[sent..])?;
     }

@@ -5,6 +5,7 @@
 pub mod cgroups;
 pub mod exec;
 pub mod execsrv;
+pub mod fdpass;
 pub mod init;
 pub mod seccomp;
 pub mod shim;

@@ -1,9 +1,10 @@
-//! `sbx shim`: one single-threaded process per run. It creates the run with
+//! The shim: one single-threaded process per run, forked from the daemon's
+//! zygote (`sbx shim --zygote`). It creates the run with
 //! libcontainer (which clones with raw syscalls and must not run inside the
 //! multi-threaded daemon), is the subreaper and parent of the run's init,
 //! records its exit, and outlives daemon restarts.
 //!
-//! Protocol with the daemon: the shim prints one line on stdout —
+//! Protocol with the daemon: the shim prints one line on its ready pipe —
 //! `ready <init-pid>` or `error <message>` — then detaches stdout. It then
 //! serves execs on `exec.sock` (see `execsrv`). SIGTERM asks it to kill the
 //! run; it exits when the run's init is gone, leaving `exit` (the init's
@@ -121,7 +122,6 @@ fn create(paths: &RunPaths, id: &str) -> Result<ShimState, ShimError> {
 /// Exits when the daemon goes (end of stream).
 #[allow(unsafe_code)]
 pub fn zygote_main() -> i32 {
-    use std::os::fd::{FromRawFd, RawFd};
     // Shims are reaped by the kernel; each puts SIGCHLD back (shim_main).
     let _ = unsafe {
         // SAFETY: setting a disposition touches no memory of ours.
@@ -129,34 +129,15 @@ pub fn zygote_main() -> i32 {
     };
     let mut buf = vec![0u8; 8192];
     loop {
-        let mut cmsg = nix::cmsg_space!([RawFd; 1]);
-        let mut iov = [std::io::IoSliceMut::new(&mut buf)];
-        let msg = match nix::sys::socket::recvmsg::<()>(
-            0,
-            &mut iov,
-            Some(&mut cmsg),
-            nix::sys::socket::MsgFlags::MSG_CMSG_CLOEXEC,
-        ) {
-            Ok(m) => m,
-            Err(nix::errno::Errno::EINTR) => continue,
+        // SAFETY: fd 0 is the daemon's socket for the life of the zygote.
+        let sock = unsafe { std::os::fd::BorrowedFd::borrow_raw(0) };
+        let (n, fds) = match crate::fdpass::recv_with_fds(sock, &mut buf) {
+            Ok((0, _)) => return 0,
+            Ok(r) => r,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(_) => return 0,
         };
-        if msg.bytes == 0 {
-            return 0;
-        }
-        let mut ready: Option<OwnedFd> = None;
-        if let Ok(cmsgs) = msg.cmsgs() {
-            for c in cmsgs {
-                if let nix::sys::socket::ControlMessageOwned::ScmRights(fds) = c {
-                    for f in fds {
-                        // SAFETY: the kernel installed this descriptor for us.
-                        let fd = unsafe { OwnedFd::from_raw_fd(f) };
-                        ready.get_or_insert(fd);
-                    }
-                }
-            }
-        }
-        let n = msg.bytes;
+        let ready = fds.into_iter().next();
         let line = String::from_utf8_lossy(&buf[..n]).into_owned();
         let (Some(ready), Some((dir, id))) = (ready, line.trim_end().split_once('\t')) else {
             eprintln!("sbx shim zygote: malformed request");
@@ -200,8 +181,8 @@ fn assigned(run_dir: PathBuf, id: &str) -> i32 {
     shim_main(run_dir, id)
 }
 
-/// Entry point of `sbx shim <run-dir> <id>`; returns the process exit code.
-pub fn shim_main(run_dir: PathBuf, id: &str) -> i32 {
+/// A shim's life once forked for its run; returns its exit code.
+fn shim_main(run_dir: PathBuf, id: &str) -> i32 {
     let _ = nix::unistd::setsid();
     // The run's init inherits the shim's dispositions (see there).
     crate::exec::reset_signal_dispositions();
@@ -210,6 +191,17 @@ pub fn shim_main(run_dir: PathBuf, id: &str) -> i32 {
     let _ = nix::sys::signal::sigprocmask(SigmaskHow::SIG_BLOCK, Some(&all), None);
     let paths = RunPaths::new(run_dir);
     let mut stdout = std::io::stdout();
+    let mut mask = SigSet::empty();
+    for sig in [Signal::SIGCHLD, Signal::SIGTERM, Signal::SIGINT] {
+        mask.add(sig);
+    }
+    let sfd = match SignalFd::with_flags(&mask, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK) {
+        Ok(f) => f,
+        Err(e) => {
+            let _ = writeln!(stdout, "error signalfd: {e}");
+            return 1;
+        }
+    };
     let state = match create(&paths, id) {
         Ok(s) => s,
         Err(e) => {
@@ -238,17 +230,6 @@ pub fn shim_main(run_dir: PathBuf, id: &str) -> i32 {
     if let Ok(null) = dev_null() {
         let _ = nix::unistd::dup2(std::os::fd::AsRawFd::as_raw_fd(&null), 1);
     }
-    let mut mask = SigSet::empty();
-    for sig in [Signal::SIGCHLD, Signal::SIGTERM, Signal::SIGINT] {
-        mask.add(sig);
-    }
-    let sfd = match SignalFd::with_flags(&mask, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK) {
-        Ok(f) => f,
-        Err(e) => {
-            eprintln!("sbx shim: signalfd: {e}");
-            return wait_init_only(&paths, state.init_pid, &all);
-        }
-    };
     let init = Pid::from_raw(state.init_pid);
     loop {
         let mut fds = vec![PollFd::new(sfd.as_fd(), PollFlags::POLLIN)];
@@ -259,8 +240,11 @@ pub fn shim_main(run_dir: PathBuf, id: &str) -> i32 {
             Ok(_) => {}
             Err(nix::errno::Errno::EINTR) => continue,
             Err(e) => {
+                // Not seen; poll over two valid descriptors has no other
+                // failure to wait out.
                 eprintln!("sbx shim: poll: {e}");
-                return wait_init_only(&paths, state.init_pid, &all);
+                std::thread::sleep(std::time::Duration::from_millis(10));
+                continue;
             }
         }
         let accept = fds
@@ -302,32 +286,6 @@ pub fn shim_main(run_dir: PathBuf, id: &str) -> i32 {
             if let Some(s) = &mut execs {
                 s.reaped(pid, status);
             }
-        }
-    }
-}
-
-/// The loop without an exec server or signalfd: waits for the init alone.
-fn wait_init_only(paths: &RunPaths, init_pid: i32, all: &SigSet) -> i32 {
-    let init = Pid::from_raw(init_pid);
-    loop {
-        match all.wait() {
-            Ok(Signal::SIGTERM | Signal::SIGINT) => {
-                let _ = kill(init, Signal::SIGKILL);
-            }
-            Ok(Signal::SIGCHLD) => {}
-            _ => continue,
-        }
-        match waitpid(init, Some(WaitPidFlag::WNOHANG)) {
-            Ok(WaitStatus::StillAlive) => continue,
-            Ok(status) => {
-                let _ = write_atomic(&paths.exit_file(), format!("{status:?}").as_bytes());
-                return 0;
-            }
-            Err(nix::errno::Errno::ECHILD) => {
-                let _ = write_atomic(&paths.exit_file(), b"gone");
-                return 0;
-            }
-            Err(_) => continue,
         }
     }
 }

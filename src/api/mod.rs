@@ -123,9 +123,9 @@ mod tests {
                 },
                 self_exe: "/nonexistent".into(),
                 init_binary: "/nonexistent".into(),
-                seccomp_bpf: None,
+                seccomp: None,
                 cgroup_parent: "/sbx-test".into(),
-                shims: Arc::new(crate::runs::sandbox::ShimPool::new(
+                zygote: Arc::new(crate::runs::sandbox::ShimZygote::new(
                     "/nonexistent".into(),
                     "/nonexistent".into(),
                 )),

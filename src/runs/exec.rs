@@ -158,7 +158,7 @@ pub async fn run(
         cwd: plan.cwd.unwrap_or_else(|| ticket.workdir.clone()),
         uid: ticket.uid,
         gid: ticket.gid,
-        seccomp_bpf: host.seccomp_bpf.clone(),
+        seccomp_bpf: host.seccomp.as_ref().map(|s| s.path.clone()),
     };
     let started = Instant::now();
     let header = encode_request(&req);

@@ -57,18 +57,26 @@ pub struct Host {
     pub self_exe: PathBuf,
     /// The static init every run gets as PID 1 (read-only bind).
     pub init_binary: PathBuf,
-    /// The seccomp profile compiled once to BPF, loaded by every exec.
-    pub seccomp_bpf: Option<PathBuf>,
+    /// The seccomp profile compiled once to BPF: installed by every run's
+    /// init (from the spec) and every exec (from the file).
+    pub seccomp: Option<Seccomp>,
     /// cgroup parent of this daemon's runs, e.g. `/sbx-1a2b3c4d`.
     pub cgroup_parent: String,
     /// The zygote shims are forked from.
-    pub shims: std::sync::Arc<ShimPool>,
+    pub zygote: std::sync::Arc<ShimZygote>,
+}
+
+/// The precompiled seccomp program, and the file the shims read it from.
+#[derive(Debug, Clone)]
+pub struct Seccomp {
+    pub path: PathBuf,
+    pub program: std::sync::Arc<Vec<u8>>,
 }
 
 /// The daemon's shim zygote (`sbx shim --zygote`, see there): every shim
 /// is forked from it. Restarted on demand if it died.
 #[derive(Debug)]
-pub struct ShimPool {
+pub struct ShimZygote {
     self_exe: PathBuf,
     /// Set as `SBX_SHIM_OF` in the zygote's environment (and so its
     /// shims'): which daemon it belongs to (tests check it does not outlive
@@ -77,9 +85,9 @@ pub struct ShimPool {
     zygote: tokio::sync::Mutex<Option<(tokio::process::Child, OwnedFd)>>,
 }
 
-impl ShimPool {
-    pub fn new(self_exe: PathBuf, state_dir: PathBuf) -> ShimPool {
-        ShimPool {
+impl ShimZygote {
+    pub fn new(self_exe: PathBuf, state_dir: PathBuf) -> ShimZygote {
+        ShimZygote {
             self_exe,
             state_dir,
             zygote: tokio::sync::Mutex::new(None),
@@ -126,7 +134,7 @@ impl ShimPool {
         dir: &Path,
         id: &str,
     ) -> std::io::Result<tokio::net::unix::pipe::Receiver> {
-        use std::os::fd::{AsFd, AsRawFd};
+        use std::os::fd::AsFd;
         let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
         let line = format!("{}\t{id}\n", dir.display());
         let mut z = self.zygote.lock().await;
@@ -142,14 +150,8 @@ impl ShimPool {
             let Some((_, sock)) = z.as_ref() else {
                 continue;
             };
-            let raw = [w.as_fd().as_raw_fd()];
-            let sent = nix::sys::socket::sendmsg::<()>(
-                sock.as_raw_fd(),
-                &[std::io::IoSlice::new(line.as_bytes())],
-                &[nix::sys::socket::ControlMessage::ScmRights(&raw)],
-                nix::sys::socket::MsgFlags::MSG_NOSIGNAL,
-                None,
-            );
+            let sent =
+                sbx_runtime::fdpass::send_with_fds(sock.as_fd(), line.as_bytes(), &[w.as_fd()]);
             match sent {
                 Ok(_) => {
                     drop(w);
@@ -157,7 +159,7 @@ impl ShimPool {
                 }
                 Err(e) => {
                     // The zygote is gone: start another and try once more.
-                    last = Some(std::io::Error::from(e));
+                    last = Some(e);
                     *z = None;
                 }
             }
@@ -284,11 +286,8 @@ fn prepare(
         ro_binds,
         swap_accounting: host.layout.swap_accounting(),
         nofile: spec::nofile_limit(),
-        // Read per run (1.7 KB): the init installs it (see RunSpec).
-        seccomp_bpf: host
-            .seccomp_bpf
-            .as_ref()
-            .and_then(|p| std::fs::read(p).ok()),
+        // The init installs it (see RunSpec).
+        seccomp_bpf: host.seccomp.as_ref().map(|s| s.program.to_vec()),
         netns,
     })
 }
@@ -342,7 +341,7 @@ async fn create_inner(
     spec::write_bundle(&paths.bundle(), &spec).map_err(SandboxError::Bundle)?;
     let t_bundle = t0.elapsed();
     let stdout = host
-        .shims
+        .zygote
         .fork_shim(&paths.dir, id)
         .await
         .map_err(SandboxError::Spawn)?;
@@ -483,11 +482,6 @@ pub fn find_shims(runs_dir: &Path) -> Vec<(i32, String)> {
                 if let Some(id) = dir.file_name() {
                     out.push((pid, id.to_string_lossy().into_owned()));
                 }
-            }
-        } else if args.len() >= 4 && args[1] == b"shim" {
-            let dir = PathBuf::from(String::from_utf8_lossy(args[2]).into_owned());
-            if dir.parent() == Some(runs_dir) {
-                out.push((pid, String::from_utf8_lossy(args[3]).into_owned()));
             }
         }
     }
