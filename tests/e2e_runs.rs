@@ -312,6 +312,55 @@ fn exec_contract() {
     assert_eq!(zygotes(&d).len(), 1, "one new zygote");
 }
 
+/// Prints, for the run's exec standby (`sbx-exec`, waited for up to ~2 s:
+/// the next one is forked while this exec runs), its cmdline, owner and
+/// whether this exec's user could SIGKILL it.
+const STANDBY_PROBE: &str = r#"for i in $(seq 40); do
+  for p in /proc/[0-9]*; do
+    if [ "$(cat $p/comm 2>/dev/null)" = sbx-exec ]; then
+      tr -d '\0' < $p/cmdline; echo; stat -c %U $p
+      if kill -9 ${p#/proc/} 2>/dev/null; then echo killed; else echo refused; fi
+      exit 0
+    fi
+  done
+  sleep 0.05
+done
+echo none"#;
+
+#[test]
+fn exec_standby_is_confined_and_expendable() {
+    if !require_root("exec_standby_is_confined_and_expendable") {
+        return;
+    }
+    let d = Daemon::start(&[]);
+    // The run's user sees the standby but cannot signal it, and its
+    // cmdline names nothing of the host's.
+    let id = d.create(json!({}));
+    assert_eq!(d.sh(&id, "true")["exitCode"], 0);
+    let out = d.sh(&id, STANDBY_PROBE);
+    assert_eq!(out["stdout"], "sbx-exec\nroot\nrefused\n", "{out}");
+    // A run whose user is root can kill it: execs go on working, each one
+    // as confined as before, whether a standby or a fresh fork serves it.
+    let root = d.create(json!({"user": "0"}));
+    for round in 0..5 {
+        let out = d.sh(&root, STANDBY_PROBE);
+        let text = out["stdout"].as_str().expect("stdout").to_string();
+        assert!(
+            text == "sbx-exec\nroot\nkilled\n" || text == "none\n",
+            "round {round}: {out}"
+        );
+        let out = d.sh(
+            &root,
+            "id -u; grep -E '^(CapEff|CapBnd|NoNewPrivs|Seccomp|SigIgn):' /proc/self/status; cd /proc/self/fd && echo *",
+        );
+        assert_eq!(
+            out["stdout"],
+            "0\nSigIgn:\t0000000000000000\nCapEff:\t0000000000000000\nCapBnd:\t0000000000000000\nNoNewPrivs:\t1\nSeccomp:\t2\n0 1 2 3\n",
+            "round {round}: {out}"
+        );
+    }
+}
+
 #[test]
 fn timeout_kills_everything_the_exec_started() {
     if !require_root("timeout_kills_everything_the_exec_started") {
@@ -525,8 +574,11 @@ fn zygotes(d: &Daemon) -> Vec<i32> {
             .rsplit(')')
             .next()
             .is_some_and(|r| r.trim_start().starts_with('Z'));
+        // A shim's cwd is its run's directory; so is its exec standby's
+        // until it names itself sbx-exec (and then enters the run).
         let serving = std::fs::read_link(e.path().join("cwd"))
-            .is_ok_and(|c| c.parent() == Some(runs.as_path()));
+            .is_ok_and(|c| c.parent() == Some(runs.as_path()))
+            || std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c == "sbx-exec\n");
         if !zombie && !serving && env.split(|b| *b == 0).any(|v| v == want.as_bytes()) {
             out.push(pid);
         }

@@ -213,6 +213,12 @@ fn inherit_cpuset(dir: &Path) -> Result<(), CgroupError> {
     Ok(())
 }
 
+/// Whether an exec gets its own cgroup in this v1 hierarchy: only where it
+/// is needed to kill the exec's processes from outside.
+fn exec_owns(h: &Hierarchy) -> bool {
+    h.controllers.iter().any(|c| c == "freezer" || c == "pids")
+}
+
 /// Moves `pid` into the exec cgroup `exec_rel` (a child of the run's).
 /// It is created where it is needed to kill the exec's processes — the v2
 /// tree, or the v1 freezer and pids hierarchies; in every other v1 hierarchy
@@ -223,35 +229,59 @@ pub fn join_exec(layout: &Layout, exec_rel: &str, pid: u32) -> Result<(), Cgroup
         .rsplit_once('/')
         .map(|(p, _)| p)
         .unwrap_or(exec_rel);
+    join_run_shared(layout, run_rel, pid)?;
+    join_exec_own(layout, exec_rel, pid)
+}
+
+/// The part of [`join_exec`] that does not depend on the exec: the run's
+/// own cgroup in every v1 hierarchy where an exec gets none (nothing on v2).
+pub fn join_run_shared(layout: &Layout, run_rel: &str, pid: u32) -> Result<(), CgroupError> {
+    let Layout::V1 { hierarchies } = layout else {
+        return Ok(());
+    };
+    let mut done: Vec<&Path> = Vec::new();
+    for h in hierarchies.iter().filter(|h| !exec_owns(h)) {
+        if done.contains(&h.mount_point.as_path()) {
+            continue;
+        }
+        done.push(&h.mount_point);
+        write_procs(&h.mount_point.join(run_rel.trim_start_matches('/')), pid)?;
+    }
+    Ok(())
+}
+
+/// The other part of [`join_exec`]: creates the exec's own cgroup where it
+/// gets one and moves `pid` there.
+pub fn join_exec_own(layout: &Layout, exec_rel: &str, pid: u32) -> Result<(), CgroupError> {
     let targets: Vec<PathBuf> = match layout {
         Layout::V2 { .. } => create(layout, exec_rel)?,
         Layout::V1 { hierarchies } => {
             let mut out: Vec<PathBuf> = Vec::new();
-            for h in hierarchies {
-                let killing = h.controllers.iter().any(|c| c == "freezer" || c == "pids");
-                let dir = if killing {
-                    let d = h.mount_point.join(exec_rel.trim_start_matches('/'));
-                    match fs::create_dir(&d) {
-                        Ok(()) => inherit_cpuset(&d)?,
-                        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-                        Err(source) => return Err(CgroupError::Create { path: d, source }),
-                    }
-                    d
-                } else {
-                    h.mount_point.join(run_rel.trim_start_matches('/'))
-                };
-                if !out.contains(&dir) {
-                    out.push(dir);
+            for h in hierarchies.iter().filter(|h| exec_owns(h)) {
+                let d = h.mount_point.join(exec_rel.trim_start_matches('/'));
+                if out.contains(&d) {
+                    continue;
                 }
+                match fs::create_dir(&d) {
+                    Ok(()) if h.controllers.iter().any(|c| c == "cpuset") => inherit_cpuset(&d)?,
+                    Ok(()) => {}
+                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                    Err(source) => return Err(CgroupError::Create { path: d, source }),
+                }
+                out.push(d);
             }
             out
         }
     };
     for d in targets {
-        let path = d.join("cgroup.procs");
-        fs::write(&path, pid.to_string()).map_err(|source| CgroupError::Write { path, source })?;
+        write_procs(&d, pid)?;
     }
     Ok(())
+}
+
+fn write_procs(dir: &Path, pid: u32) -> Result<(), CgroupError> {
+    let path = dir.join("cgroup.procs");
+    fs::write(&path, pid.to_string()).map_err(|source| CgroupError::Write { path, source })
 }
 
 /// Every pid in the subtree of `dir`.
@@ -669,25 +699,63 @@ mod tests {
         );
     }
 
+    /// A v1 layout with one hierarchy per controller under `root`, each
+    /// holding the run cgroup `/sbx-1/run`.
+    fn v1_fixture(root: &Path, controllers: &[&str]) -> Layout {
+        let hierarchies = controllers
+            .iter()
+            .map(|c| {
+                let mp = root.join(c);
+                fs::create_dir_all(mp.join("sbx-1/run")).expect("run cgroup");
+                Hierarchy {
+                    mount_point: mp,
+                    controllers: vec![c.to_string()],
+                }
+            })
+            .collect();
+        Layout::V1 { hierarchies }
+    }
+
     #[test]
     fn v1_exec_cgroups_are_made_only_where_killing_needs_them() {
         let tmp = tempfile::tempdir().expect("tmp");
-        let mut hierarchies = Vec::new();
-        for c in ["memory", "freezer", "pids"] {
-            let mp = tmp.path().join(c);
-            fs::create_dir_all(mp.join("sbx-1/run")).expect("run cgroup");
-            hierarchies.push(Hierarchy {
-                mount_point: mp,
-                controllers: vec![c.to_string()],
-            });
-        }
-        let l = Layout::V1 { hierarchies };
+        let l = v1_fixture(tmp.path(), &["memory", "freezer", "pids"]);
         join_exec(&l, "/sbx-1/run/exec-1", 4242).expect("join");
         let read = |p: &str| fs::read_to_string(tmp.path().join(p)).unwrap_or_default();
         assert_eq!(read("memory/sbx-1/run/cgroup.procs"), "4242");
         assert!(!tmp.path().join("memory/sbx-1/run/exec-1").exists());
         assert_eq!(read("freezer/sbx-1/run/exec-1/cgroup.procs"), "4242");
         assert_eq!(read("pids/sbx-1/run/exec-1/cgroup.procs"), "4242");
+    }
+
+    #[test]
+    fn the_two_halves_of_a_join_split_at_the_exec_cgroup() {
+        // v1: the shared half touches only the run's cgroups, the own half
+        // only the exec's (the exec standby joins in two steps).
+        let tmp = tempfile::tempdir().expect("tmp");
+        let l = v1_fixture(tmp.path(), &["cpu", "freezer"]);
+        let read = |p: &str| fs::read_to_string(tmp.path().join(p)).unwrap_or_default();
+        join_run_shared(&l, "/sbx-1/run", 7).expect("shared");
+        assert_eq!(read("cpu/sbx-1/run/cgroup.procs"), "7");
+        assert!(!tmp.path().join("freezer/sbx-1/run/cgroup.procs").exists());
+        assert!(!tmp.path().join("freezer/sbx-1/run/exec-2").exists());
+        join_exec_own(&l, "/sbx-1/run/exec-2", 7).expect("own");
+        assert_eq!(read("freezer/sbx-1/run/exec-2/cgroup.procs"), "7");
+        assert!(!tmp.path().join("cpu/sbx-1/run/exec-2").exists());
+
+        // v2: nothing is shared; the exec's cgroup is the whole join.
+        let v2 = tempfile::tempdir().expect("tmp");
+        fs::create_dir_all(v2.path().join("sbx-1/run")).expect("run cgroup");
+        let l = Layout::V2 {
+            root: v2.path().to_path_buf(),
+        };
+        join_run_shared(&l, "/sbx-1/run", 9).expect("shared");
+        assert!(!v2.path().join("sbx-1/run/cgroup.procs").exists());
+        join_exec_own(&l, "/sbx-1/run/exec-3", 9).expect("own");
+        assert_eq!(
+            fs::read_to_string(v2.path().join("sbx-1/run/exec-3/cgroup.procs")).expect("read"),
+            "9"
+        );
     }
 
     #[test]

@@ -270,11 +270,37 @@ fn lookup_path(argv0: &str, env: &[String]) -> Option<String> {
 
 /// Runs in the forked child, inside the run's namespaces; returns only on error.
 pub(crate) fn child(req: &ExecRequest, bpf: Option<&[u8]>) -> i32 {
+    if let Err(msg) = confine(bpf) {
+        return fail(EXIT_CANNOT_ENTER, &msg);
+    }
+    run_command(req)
+}
+
+/// What an exec's process does before it needs to know its command: every
+/// signal back to its default, no bounding set, the run's open-file limit,
+/// no_new_privs and the run's seccomp filter. The filter allows all that
+/// [`run_command`] still does (setgroups, setresuid, capset, chdir, execve),
+/// so an exec standby can be confined before its request arrives.
+pub(crate) fn confine(bpf: Option<&[u8]>) -> Result<(), String> {
     reset_signal_dispositions();
     // Drop the bounding set while we still hold CAP_SETPCAP.
     for cap in caps::all() {
         let _ = caps::drop(None, caps::CapSet::Bounding, cap);
     }
+    let nofile = crate::spec::nofile_limit();
+    let _ =
+        nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, nofile, nofile);
+    nix::sys::prctl::set_no_new_privs().map_err(|e| format!("no_new_privs: {e}"))?;
+    match bpf {
+        Some(prog) => load_bpf(prog).map_err(|e| format!("seccomp: {e}")),
+        None => crate::seccomp::load().map_err(|e| format!("seccomp: {e}")),
+    }
+}
+
+/// The rest, once [`confine`]d: becomes the request's user with no
+/// capabilities and execs its command. Returns only on error, with the
+/// exit code.
+pub(crate) fn run_command(req: &ExecRequest) -> i32 {
     let gid = Gid::from_raw(req.gid);
     let uid = Uid::from_raw(req.uid);
     if let Err(e) = nix::unistd::setgroups(&[gid]) {
@@ -296,9 +322,6 @@ pub(crate) fn child(req: &ExecRequest, bpf: Option<&[u8]>) -> i32 {
             return fail(EXIT_CANNOT_ENTER, &format!("drop capabilities: {e}"));
         }
     }
-    let nofile = crate::spec::nofile_limit();
-    let _ =
-        nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE, nofile, nofile);
     if let Err(e) = nix::unistd::chdir(req.cwd.as_str()) {
         return fail(EXIT_NOT_FOUND, &format!("cwd {}: {e}", req.cwd));
     }
@@ -314,16 +337,6 @@ pub(crate) fn child(req: &ExecRequest, bpf: Option<&[u8]>) -> i32 {
     let Ok(cpath) = CString::new(path.as_bytes()) else {
         return fail(EXIT_NOT_FOUND, "command contains NUL");
     };
-    if let Err(e) = nix::sys::prctl::set_no_new_privs() {
-        return fail(EXIT_CANNOT_ENTER, &format!("no_new_privs: {e}"));
-    }
-    let loaded = match bpf {
-        Some(prog) => load_bpf(prog).map_err(|e| e.to_string()),
-        None => crate::seccomp::load().map_err(|e| e.to_string()),
-    };
-    if let Err(e) = loaded {
-        return fail(EXIT_CANNOT_ENTER, &format!("seccomp: {e}"));
-    }
     let err = nix::unistd::execve(&cpath, &argv, &env).err();
     match err {
         Some(nix::errno::Errno::ENOENT) => fail(EXIT_NOT_FOUND, &format!("{path}: not found")),

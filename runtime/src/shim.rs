@@ -60,22 +60,20 @@ fn dev_null() -> Result<OwnedFd, ShimError> {
         .into())
 }
 
-/// Whether the bundle's spec joins an existing network namespace (a path).
-fn joins_network_namespace(bundle: &std::path::Path) -> bool {
-    let Ok(text) = std::fs::read(bundle.join("config.json")) else {
-        return false;
-    };
-    let Ok(spec) = serde_json::from_slice::<serde_json::Value>(&text) else {
-        return false;
-    };
-    spec["linux"]["namespaces"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .any(|n| n["type"] == "network" && n["path"].is_string())
+/// What the shim needs from the bundle's `config.json`, read once.
+fn read_facts(bundle: &std::path::Path) -> crate::spec::RenderedFacts {
+    std::fs::read(bundle.join("config.json"))
+        .ok()
+        .and_then(|text| serde_json::from_slice::<serde_json::Value>(&text).ok())
+        .map(|v| crate::spec::rendered_facts(&v))
+        .unwrap_or_default()
 }
 
-fn create(paths: &RunPaths, id: &str) -> Result<ShimState, ShimError> {
+fn create(
+    paths: &RunPaths,
+    id: &str,
+    facts: &crate::spec::RenderedFacts,
+) -> Result<ShimState, ShimError> {
     nix::sys::prctl::set_child_subreaper(true).map_err(ShimError::Subreaper)?;
     let mut container = ContainerBuilder::new(id.to_string(), SyscallType::Linux)
         .with_root_path(paths.container_root())
@@ -91,7 +89,7 @@ fn create(paths: &RunPaths, id: &str) -> Result<ShimState, ShimError> {
     let init = container.pid().ok_or(ShimError::NoPid)?;
     // A namespace of the daemon's pool has loopback up already; one
     // libcontainer made for this run does not.
-    if !joins_network_namespace(&paths.bundle()) {
+    if !facts.joins_network_namespace {
         sbx_netns::loopback_up_in(init.as_raw()).map_err(ShimError::Loopback)?;
     }
     container.start().map_err(ShimError::Start)?;
@@ -202,7 +200,8 @@ fn shim_main(run_dir: PathBuf, id: &str) -> i32 {
             return 1;
         }
     };
-    let state = match create(&paths, id) {
+    let facts = read_facts(&paths.bundle());
+    let state = match create(&paths, id, &facts) {
         Ok(s) => s,
         Err(e) => {
             let mut msg = e.to_string();
@@ -218,7 +217,7 @@ fn shim_main(run_dir: PathBuf, id: &str) -> i32 {
     };
     // Bound before "ready", so the daemon can use it for the first exec. A
     // run without it still works through `sbx exec-helper`.
-    let mut execs = match ExecServer::bind(&paths, state.init_pid) {
+    let mut execs = match ExecServer::bind(&paths, state.init_pid, &facts) {
         Ok(s) => Some(s),
         Err(e) => {
             eprintln!("sbx shim: exec server: {e}");
@@ -232,6 +231,11 @@ fn shim_main(run_dir: PathBuf, id: &str) -> i32 {
     }
     let init = Pid::from_raw(state.init_pid);
     loop {
+        // Off the exec's path: the next exec finds a process already in
+        // the run, confined, waiting for its command.
+        if let Some(s) = &mut execs {
+            s.keep_standby();
+        }
         let mut fds = vec![PollFd::new(sfd.as_fd(), PollFlags::POLLIN)];
         if let Some(s) = &execs {
             fds.push(PollFd::new(s.listener_fd(), PollFlags::POLLIN));
@@ -302,10 +306,10 @@ mod tests {
         };
         write(serde_json::json!({"linux": {"namespaces": [
             {"type": "pid"}, {"type": "network", "path": "/run/sbx/netns/x"}]}}));
-        assert!(joins_network_namespace(d.path()));
+        assert!(read_facts(d.path()).joins_network_namespace);
         write(serde_json::json!({"linux": {"namespaces": [{"type": "network"}]}}));
-        assert!(!joins_network_namespace(d.path()));
+        assert!(!read_facts(d.path()).joins_network_namespace);
         std::fs::remove_file(d.path().join("config.json")).expect("rm");
-        assert!(!joins_network_namespace(d.path()));
+        assert!(!read_facts(d.path()).joins_network_namespace);
     }
 }

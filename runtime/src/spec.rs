@@ -226,6 +226,50 @@ pub fn render(spec: &RunSpec) -> Value {
     rendered
 }
 
+/// What the shim needs back from a bundle's rendered `config.json`.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct RenderedFacts {
+    /// The run joins a ready network namespace (its loopback is up already).
+    pub joins_network_namespace: bool,
+    /// The seccomp program its init installs (`--seccomp`).
+    pub seccomp_bpf: Option<Vec<u8>>,
+    pub cgroups_path: Option<String>,
+}
+
+/// Reads [`RenderedFacts`] back from what [`render`] wrote. Pure.
+pub fn rendered_facts(config: &Value) -> RenderedFacts {
+    let joins_network_namespace = config["linux"]["namespaces"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|n| n["type"] == "network" && n["path"].is_string());
+    let args: Vec<&str> = config["process"]["args"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    let seccomp_bpf = args
+        .windows(2)
+        .find(|w| w[0] == "--seccomp")
+        .and_then(|w| decode_hex(w[1]));
+    RenderedFacts {
+        joins_network_namespace,
+        seccomp_bpf,
+        cgroups_path: config["linux"]["cgroupsPath"].as_str().map(str::to_string),
+    }
+}
+
+fn decode_hex(hex: &str) -> Option<Vec<u8>> {
+    if !hex.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(hex.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
 /// Writes `config.json` into `bundle` atomically.
 pub fn write_bundle(bundle: &Path, spec: &RunSpec) -> std::io::Result<()> {
     std::fs::create_dir_all(bundle)?;
@@ -278,6 +322,27 @@ mod tests {
         let without = render(&sample());
         assert_eq!(without["process"]["args"], json!([INIT_PATH]));
         assert!(without["linux"]["seccomp"].is_object());
+    }
+
+    #[test]
+    fn the_shim_reads_back_what_was_rendered() {
+        let mut s = sample();
+        let plain = rendered_facts(&render(&s));
+        assert_eq!(
+            plain,
+            RenderedFacts {
+                joins_network_namespace: false,
+                seccomp_bpf: None,
+                cgroups_path: Some("/sbx-1234/01JTEST".into()),
+            }
+        );
+        s.seccomp_bpf = Some(vec![0x06, 0x00, 0x00, 0x00, 0xff, 0xff, 0xff, 0x7f]);
+        s.netns = Some("/run/sbx/netns/x".into());
+        let facts = rendered_facts(&render(&s));
+        assert!(facts.joins_network_namespace);
+        assert_eq!(facts.seccomp_bpf, s.seccomp_bpf);
+        assert_eq!(decode_hex("0g"), None);
+        assert_eq!(decode_hex("abc"), None);
     }
 
     #[test]

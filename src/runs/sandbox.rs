@@ -460,9 +460,9 @@ fn stop_shim(state: &ShimState) -> bool {
 
 /// `(pid, run id)` of every shim process serving a run under `runs_dir`.
 pub fn find_shims(runs_dir: &Path) -> Vec<(i32, String)> {
-    let mut out = Vec::new();
+    let mut found: Vec<(i32, i32, String)> = Vec::new();
     let Ok(rd) = std::fs::read_dir("/proc") else {
-        return out;
+        return Vec::new();
     };
     for e in rd.flatten() {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
@@ -480,10 +480,24 @@ pub fn find_shims(runs_dir: &Path) -> Vec<(i32, String)> {
             };
             if dir.parent() == Some(runs_dir) {
                 if let Some(id) = dir.file_name() {
-                    out.push((pid, id.to_string_lossy().into_owned()));
+                    let ppid = std::fs::read_to_string(e.path().join("stat"))
+                        .ok()
+                        .and_then(|s| {
+                            let rest = s.rsplit_once(") ")?.1.to_string();
+                            rest.split(' ').nth(1)?.parse::<i32>().ok()
+                        })
+                        .unwrap_or(0);
+                    found.push((pid, ppid, id.to_string_lossy().into_owned()));
                 }
             }
         }
     }
-    out
+    // A shim's exec standby looks like its shim for the moment after its
+    // fork; its parent is that shim.
+    let pids: Vec<i32> = found.iter().map(|(p, _, _)| *p).collect();
+    found
+        .into_iter()
+        .filter(|(_, ppid, _)| !pids.contains(ppid))
+        .map(|(pid, _, id)| (pid, id))
+        .collect()
 }
