@@ -73,6 +73,30 @@ fn run_lifecycle_isolation_and_cleanup() {
     let text = out["stdout"].as_str().expect("stdout");
     assert!(text.starts_with("0\n"), "cgroupfs visible: {text}");
     assert!(!text.ends_with("\n0\n"), "init binary writable: {text}");
+    // Loopback is up (a later create takes a namespace made ahead of time;
+    // so does this one's second run below), and no pin outlives the create:
+    // the run's processes alone hold their network namespace.
+    let runs: Vec<String> = vec![id.clone(), d.create(json!({}))];
+    for r in &runs {
+        let out = d.sh(r, "cat /sys/class/net/lo/flags; ls /sys/class/net");
+        assert_eq!(out["stdout"], "0x9\nlo\n", "{out}");
+        let shim: serde_json::Value = serde_json::from_slice(
+            &std::fs::read(d.state.join("runs").join(r).join("shim.json")).expect("shim.json"),
+        )
+        .expect("shim state");
+        let init = shim["init_pid"].as_i64().expect("init pid");
+        let ns = std::fs::metadata(format!("/proc/{init}/ns/net")).expect("netns");
+        // The pin is dropped in the background once the create answered.
+        wait_for("the run's network namespace unpinned", 5, || {
+            let pinned: Vec<std::fs::Metadata> = std::fs::read_dir(d.state.join("netns"))
+                .map(|rd| rd.flatten().filter_map(|e| e.metadata().ok()).collect())
+                .unwrap_or_default();
+            !pinned.iter().any(|m| {
+                std::os::unix::fs::MetadataExt::ino(m) == std::os::unix::fs::MetadataExt::ino(&ns)
+            })
+        });
+    }
+    d.call(Method::DELETE, &format!("/v1/runs/{}", runs[1]), None);
     // Namespace creation and mounts are refused by seccomp.
     let out = d.sh(&id, "unshare -r true 2>&1; echo rc=$?");
     assert!(

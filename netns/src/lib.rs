@@ -53,17 +53,30 @@ pub fn loopback_up_in(pid: i32) -> Result<(), NetnsError> {
 /// unprivileged ping allowed. The work happens on a thread of its own (the
 /// only one whose namespace changes), so any process may call it.
 pub fn create_pinned(path: &std::path::Path) -> Result<(), NetnsError> {
-    let path = path.to_path_buf();
-    let worker = std::thread::spawn(move || -> Result<(), NetnsError> {
-        nix::sched::unshare(CloneFlags::CLONE_NEWNET)
-            .map_err(|source| NetnsError::Enter { pid: 0, source })?;
-        for (p, v) in [
+    pin_new(
+        path,
+        &[
             ("/proc/sys/net/ipv6/conf/all/disable_ipv6", "1"),
             ("/proc/sys/net/ipv6/conf/default/disable_ipv6", "1"),
             ("/proc/sys/net/ipv6/conf/all/accept_ra", "0"),
             ("/proc/sys/net/ipv6/conf/default/accept_ra", "0"),
             ("/proc/sys/net/ipv4/ping_group_range", "0 2147483647"),
-        ] {
+        ],
+    )
+}
+
+/// Creates a network namespace pinned on `path` with loopback up and the
+/// kernel's defaults otherwise: what a `none` run gets, made ahead of time.
+pub fn create_pinned_loopback_only(path: &std::path::Path) -> Result<(), NetnsError> {
+    pin_new(path, &[])
+}
+
+fn pin_new(path: &std::path::Path, sysctls: &'static [(&str, &str)]) -> Result<(), NetnsError> {
+    let path = path.to_path_buf();
+    let worker = std::thread::spawn(move || -> Result<(), NetnsError> {
+        nix::sched::unshare(CloneFlags::CLONE_NEWNET)
+            .map_err(|source| NetnsError::Enter { pid: 0, source })?;
+        for &(p, v) in sysctls {
             links::sysctl(p, v)
                 .map_err(|e| NetnsError::Loopback(std::io::Error::other(e.to_string())))?;
         }

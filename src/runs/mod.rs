@@ -456,13 +456,26 @@ impl Registry {
                             }
                             _ => None,
                         };
+                        // A `none` run joins a ready loopback-only namespace
+                        // when one waits; its pin goes once the run is up.
+                        let loner = match (&net, &run_net) {
+                            (Some(n), None) => n.take_loopback_only(),
+                            _ => None,
+                        };
                         let netns = net
                             .as_ref()
                             .zip(run_net.as_ref())
-                            .map(|(n, rn)| n.netns_path(&rn.slot));
+                            .map(|(n, rn)| n.netns_path(&rn.slot))
+                            .or_else(|| loner.clone());
                         let created = sandbox::create(&host, &id, &plan, root, netns).await;
                         if let (Some(n), Some(rn)) = (&net, &run_net) {
                             n.refill_soon(rn.tier);
+                        }
+                        if let (Some(n), None) = (&net, &run_net) {
+                            if let Some(p) = loner {
+                                n.unpin_soon(p);
+                            }
+                            n.refill_loopback_only_soon();
                         }
                         let created = created.map(Box::new).map_err(|e| {
                             // An unusable image is the client's problem, the rest ours.
