@@ -69,7 +69,9 @@ pub fn get_subsystem_mount_point(subsystem: &ControllerType) -> Result<PathBuf, 
 // handle, so that a caller looking up every controller (`Manager::new`)
 // opens and checks it once instead of once per controller.
 pub(crate) fn read_mountinfo() -> Result<String, V1MountPointError> {
-    let mut text = String::new();
+    // Room up front: procfs reports no size, and growing from empty took
+    // eight reads.
+    let mut text = String::with_capacity(16 * 1024);
     std::io::Read::read_to_string(
         &mut ProcfsHandle::new()?.open(
             ProcfsBase::ProcSelf,
