@@ -7,6 +7,7 @@ mod common;
 use common::{registry, require_registry, wait_for, Daemon};
 use reqwest::Method;
 use serde_json::json;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 
 fn busybox() -> String {
     format!("{}/sbx/busybox:1", registry())
@@ -291,4 +292,93 @@ fn templates_resolve_through_the_config_table() {
     assert_eq!(v["stdout"], "rc=1\n", "{v}");
     let init = std::fs::read(d.state.join("bin/sbx-init")).expect("init");
     assert_eq!(&init[..4], b"\x7fELF");
+}
+
+/// Writes an OCI layout with one uncompressed layer built by `layer`.
+fn oci_layout(dir: &std::path::Path, layer: impl FnOnce(&mut tar::Builder<Vec<u8>>)) {
+    use sha2::Digest;
+    let blobs = dir.join("blobs/sha256");
+    std::fs::create_dir_all(&blobs).expect("blobs");
+    let put = |bytes: &[u8]| -> (String, usize) {
+        let hex = format!("{:x}", sha2::Sha256::digest(bytes));
+        std::fs::write(blobs.join(&hex), bytes).expect("blob");
+        (format!("sha256:{hex}"), bytes.len())
+    };
+    let mut b = tar::Builder::new(Vec::new());
+    layer(&mut b);
+    let (layer_digest, layer_size) = put(&b.into_inner().expect("tar"));
+    let config = json!({"architecture": "amd64", "os": "linux", "config": {},
+        "rootfs": {"type": "layers", "diff_ids": [layer_digest]}});
+    let (config_digest, config_size) = put(config.to_string().as_bytes());
+    let manifest = json!({"schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                   "digest": config_digest, "size": config_size},
+        "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar",
+                    "digest": layer_digest, "size": layer_size}]});
+    let (manifest_digest, manifest_size) = put(manifest.to_string().as_bytes());
+    let index = json!({"schemaVersion": 2, "manifests": [{
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "digest": manifest_digest, "size": manifest_size,
+        "annotations": {"org.opencontainers.image.ref.name": "1"}}]});
+    std::fs::write(dir.join("index.json"), index.to_string()).expect("index");
+    std::fs::write(dir.join("oci-layout"), r#"{"imageLayoutVersion":"1.0.0"}"#).expect("layout");
+}
+
+#[test]
+fn an_image_whose_work_leads_out_of_its_root_is_refused_and_leaves_nothing() {
+    if !common::require_root(
+        "an_image_whose_work_leads_out_of_its_root_is_refused_and_leaves_nothing",
+    ) {
+        return;
+    }
+    // /work -> /etc: preparing the run's /work must not touch the host's /etc.
+    let tmp = tempfile::tempdir().expect("tmp");
+    oci_layout(tmp.path(), |b| {
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Symlink);
+        h.set_size(0);
+        h.set_mode(0o777);
+        b.append_link(&mut h, "work", "/etc").expect("symlink");
+    });
+    let d = Daemon::start(&[]);
+    let (s, v) = d.call(
+        Method::POST,
+        "/v1/images/import",
+        Some(json!({"path": tmp.path(), "reference": "local/evil:1"})),
+    );
+    assert_eq!(s, 201, "{v}");
+    let etc_before = std::fs::metadata("/etc").expect("etc");
+    let (s, v) = d.call(
+        Method::POST,
+        "/v1/runs",
+        Some(json!({"image": "local/evil:1"})),
+    );
+    assert_eq!(s, 422, "{v}");
+    assert!(
+        v["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("root cannot be used")),
+        "{v}"
+    );
+    let etc_after = std::fs::metadata("/etc").expect("etc");
+    assert_eq!(
+        (etc_before.uid(), etc_before.permissions().mode()),
+        (etc_after.uid(), etc_after.permissions().mode()),
+        "the host's /etc was touched"
+    );
+    // The shim was already started (it reads the bundle while the root is
+    // finished): it must be gone with everything else of the run.
+    let (_, list) = d.call(Method::GET, "/v1/runs", None);
+    let failed: Vec<String> = list["runs"]
+        .as_array()
+        .expect("runs")
+        .iter()
+        .filter(|r| r["status"] == "error")
+        .filter_map(|r| r["id"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(failed.len(), 1, "{list}");
+    wait_for("nothing left of the refused run", 5, || {
+        d.leftovers(&failed[0]).is_empty()
+    });
 }

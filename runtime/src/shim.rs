@@ -135,7 +135,8 @@ pub fn zygote_main() -> i32 {
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(_) => return 0,
         };
-        let ready = fds.into_iter().next();
+        let mut fds = fds.into_iter();
+        let (ready, go) = (fds.next(), fds.next());
         let line = String::from_utf8_lossy(&buf[..n]).into_owned();
         let (Some(ready), Some((dir, id))) = (ready, line.trim_end().split_once('\t')) else {
             eprintln!("sbx shim zygote: malformed request");
@@ -150,10 +151,10 @@ pub fn zygote_main() -> i32 {
                 if let Ok(null) = dev_null() {
                     let _ = nix::unistd::dup2(std::os::fd::AsRawFd::as_raw_fd(&null), 0);
                 }
-                let code = assigned(PathBuf::from(dir), id);
+                let code = assigned(PathBuf::from(dir), id, go);
                 std::process::exit(code);
             }
-            Ok(nix::unistd::ForkResult::Parent { .. }) => drop(ready),
+            Ok(nix::unistd::ForkResult::Parent { .. }) => drop((ready, go)),
             Err(e) => {
                 let mut f = File::from(ready);
                 let _ = writeln!(f, "error fork a shim: {e}");
@@ -164,7 +165,7 @@ pub fn zygote_main() -> i32 {
 
 /// A forked shim takes its run: the run directory as cwd names the run it
 /// serves (see the daemon's `find_shims`), the run's log becomes stderr.
-fn assigned(run_dir: PathBuf, id: &str) -> i32 {
+fn assigned(run_dir: PathBuf, id: &str, go: Option<OwnedFd>) -> i32 {
     if let Err(e) = std::env::set_current_dir(&run_dir) {
         let _ = writeln!(std::io::stdout(), "error enter {}: {e}", run_dir.display());
         return 1;
@@ -176,11 +177,11 @@ fn assigned(run_dir: PathBuf, id: &str) -> i32 {
     if let Ok(log) = log {
         let _ = nix::unistd::dup2(std::os::fd::AsRawFd::as_raw_fd(&log), 2);
     }
-    shim_main(run_dir, id)
+    shim_main(run_dir, id, go)
 }
 
 /// A shim's life once forked for its run; returns its exit code.
-fn shim_main(run_dir: PathBuf, id: &str) -> i32 {
+fn shim_main(run_dir: PathBuf, id: &str, go: Option<OwnedFd>) -> i32 {
     let _ = nix::unistd::setsid();
     // The run's init inherits the shim's dispositions (see there).
     crate::exec::reset_signal_dispositions();
@@ -201,6 +202,15 @@ fn shim_main(run_dir: PathBuf, id: &str) -> i32 {
         }
     };
     let facts = read_facts(&paths.bundle());
+    // The daemon finishes the run's root meanwhile; `g` when it is done.
+    // Anything else (the pipe closed) means the create was given up.
+    if let Some(go) = go {
+        let mut b = [0u8; 1];
+        if !matches!(nix::unistd::read(std::os::fd::AsRawFd::as_raw_fd(&go), &mut b), Ok(1) if b[0] == b'g')
+        {
+            return 1;
+        }
+    }
     let state = match create(&paths, id, &facts) {
         Ok(s) => s,
         Err(e) => {

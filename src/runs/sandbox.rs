@@ -128,11 +128,14 @@ impl ShimZygote {
     }
 
     /// Has the zygote fork a shim for the run in `dir`; returns the pipe the
-    /// shim answers `ready <pid>` or `error <why>` on.
+    /// shim answers `ready <pid>` or `error <why>` on. The shim reads the
+    /// bundle, then waits for `go` (see [`Go`]) before it creates the run,
+    /// so the daemon can finish the root meanwhile.
     pub async fn fork_shim(
         &self,
         dir: &Path,
         id: &str,
+        go: OwnedFd,
     ) -> std::io::Result<tokio::net::unix::pipe::Receiver> {
         use std::os::fd::AsFd;
         let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
@@ -150,8 +153,11 @@ impl ShimZygote {
             let Some((_, sock)) = z.as_ref() else {
                 continue;
             };
-            let sent =
-                sbx_runtime::fdpass::send_with_fds(sock.as_fd(), line.as_bytes(), &[w.as_fd()]);
+            let sent = sbx_runtime::fdpass::send_with_fds(
+                sock.as_fd(),
+                line.as_bytes(),
+                &[w.as_fd(), go.as_fd()],
+            );
             match sent {
                 Ok(_) => {
                     drop(w);
@@ -250,28 +256,8 @@ fn prepare(
                 sbx_images::overlay::mount(layers, &paths.upper(), &paths.overlay_work(), &rootfs)
                     .map_err(SandboxError::Mount)?;
             tracing::debug!(run = id, layers = layers.len(), ?api, "overlay mounted");
-            for (d, mode) in [
-                ("proc", 0o555),
-                ("dev", 0o755),
-                ("sys", 0o555),
-                ("tmp", 0o1777),
-                (".sbx", 0o755),
-            ] {
-                super::files::ensure_dir(&rootfs, d, mode, None).map_err(image_err)?;
-            }
-            super::files::write_root_file(
-                &rootfs,
-                "etc/hostname",
-                format!("{id}\n").as_bytes(),
-                0o644,
-            )
-            .map_err(image_err)?;
         }
     }
-    chown_work(&rootfs, &plan.workdir, plan.uid, plan.gid).map_err(image_err)?;
-    let resolv = crate::network::Network::resolv_conf(super::model::tier_of(&plan.network));
-    super::files::write_root_file(&rootfs, "etc/resolv.conf", resolv.as_bytes(), 0o644)
-        .map_err(image_err)?;
     let mut env = vec!["HOME=/work".to_string(), format!("HOSTNAME={id}")];
     env.push(format!("PATH={}", spec::DEFAULT_PATH));
     Ok(RunSpec {
@@ -290,6 +276,36 @@ fn prepare(
         seccomp_bpf: host.seccomp.as_ref().map(|s| s.program.to_vec()),
         netns,
     })
+}
+
+/// The rest of the run's root, written while the shim reads its bundle:
+/// mount points and `/etc/hostname` in an image's root, `/work` owned by the
+/// run's user, `/etc/resolv.conf`. Blocking; each write is confined to the
+/// root (no symlink of the image's is followed out of it).
+fn finish_root(
+    host: &Host,
+    id: &str,
+    plan: &CreatePlan,
+    layered: bool,
+) -> Result<(), SandboxError> {
+    let rootfs = host.paths(id).rootfs();
+    if layered {
+        for (d, mode) in [
+            ("proc", 0o555),
+            ("dev", 0o755),
+            ("sys", 0o555),
+            ("tmp", 0o1777),
+            (".sbx", 0o755),
+        ] {
+            super::files::ensure_dir(&rootfs, d, mode, None).map_err(image_err)?;
+        }
+        super::files::write_root_file(&rootfs, "etc/hostname", format!("{id}\n").as_bytes(), 0o644)
+            .map_err(image_err)?;
+    }
+    chown_work(&rootfs, &plan.workdir, plan.uid, plan.gid).map_err(image_err)?;
+    let resolv = crate::network::Network::resolv_conf(super::model::tier_of(&plan.network));
+    super::files::write_root_file(&rootfs, "etc/resolv.conf", resolv.as_bytes(), 0o644)
+        .map_err(image_err)
 }
 
 /// A shim that reported ready (a child of the zygote, not of the daemon).
@@ -331,6 +347,7 @@ async fn create_inner(
         Root::Host => Vec::new(),
         Root::Layers { env, .. } => env.clone(),
     };
+    let layered = matches!(root, Root::Layers { .. });
     let (h, i, p) = (host.clone(), id.to_string(), plan.clone());
     let t0 = std::time::Instant::now();
     let spec = tokio::task::spawn_blocking(move || prepare(&h, &i, &p, &root, netns))
@@ -340,11 +357,22 @@ async fn create_inner(
     let t_prepare = t0.elapsed();
     spec::write_bundle(&paths.bundle(), &spec).map_err(SandboxError::Bundle)?;
     let t_bundle = t0.elapsed();
+    // The shim starts (fork, its setup, reading the bundle) while the rest
+    // of the root is written; it creates the run once told `go`.
+    let (go_r, go_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+        .map_err(|e| SandboxError::Spawn(e.into()))?;
     let stdout = host
         .zygote
-        .fork_shim(&paths.dir, id)
+        .fork_shim(&paths.dir, id, go_r)
         .await
         .map_err(SandboxError::Spawn)?;
+    let (h, i, p) = (host.clone(), id.to_string(), plan.clone());
+    tokio::task::spawn_blocking(move || finish_root(&h, &i, &p, layered))
+        .await
+        .map_err(|e| SandboxError::Shim(e.to_string()))??;
+    // (On an error above the pipe closes unwritten and the shim leaves.)
+    nix::unistd::write(&go_w, b"g").map_err(|e| SandboxError::Spawn(e.into()))?;
+    drop(go_w);
     let mut line = String::new();
     let mut reader = tokio::io::BufReader::new(stdout);
     let read = reader.read_line(&mut line);
