@@ -493,10 +493,7 @@ fn network_state_is_cleaned_after_expiry_and_kill_9() {
         w.run_leftovers(&short_run).is_empty()
     });
     // kill -9; one run's sandbox dies while the daemon is down.
-    let state: Value = serde_json::from_slice(
-        &std::fs::read(d.state.join("runs").join(&gone).join("shim.json")).expect("shim"),
-    )
-    .expect("json");
+    let state = d.shim_state(&gone);
     d.kill9();
     for k in ["init_pid", "shim_pid"] {
         let _ = nix::sys::signal::kill(

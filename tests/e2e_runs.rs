@@ -80,10 +80,7 @@ fn run_lifecycle_isolation_and_cleanup() {
     for r in &runs {
         let out = d.sh(r, "cat /sys/class/net/lo/flags; ls /sys/class/net");
         assert_eq!(out["stdout"], "0x9\nlo\n", "{out}");
-        let shim: serde_json::Value = serde_json::from_slice(
-            &std::fs::read(d.state.join("runs").join(r).join("shim.json")).expect("shim.json"),
-        )
-        .expect("shim state");
+        let shim = d.shim_state(r);
         let init = shim["init_pid"].as_i64().expect("init pid");
         let ns = std::fs::metadata(format!("/proc/{init}/ns/net")).expect("netns");
         // The pin is dropped in the background once the create answered.
@@ -617,10 +614,7 @@ fn restart_removes_orphans_and_marks_vanished_runs() {
     }
     let mut d = Daemon::start(&[]);
     let vanished = d.create(json!({}));
-    let state: serde_json::Value = serde_json::from_slice(
-        &std::fs::read(d.state.join("runs").join(&vanished).join("shim.json")).expect("shim.json"),
-    )
-    .expect("json");
+    let state = d.shim_state(&vanished);
     d.kill9();
     // The sandbox dies while the daemon is down.
     for k in ["init_pid", "shim_pid"] {

@@ -5,7 +5,8 @@
 //! records its exit, and outlives daemon restarts.
 //!
 //! Protocol with the daemon: the shim prints one line on its ready pipe —
-//! `ready <init-pid>` or `error <message>` — then detaches stdout. It then
+//! `ready <init-pid> <state as JSON>` or `error <message>` — then detaches
+//! stdout. It then
 //! serves execs on `exec.sock` (see `execsrv`). SIGTERM asks it to kill the
 //! run; it exits when the run's init is gone, leaving `exit` (the init's
 //! wait status) in the run directory. Teardown of cgroups
@@ -94,19 +95,23 @@ fn create(
     }
     container.start().map_err(ShimError::Start)?;
     let me = std::process::id() as i32;
-    let state = ShimState {
+    Ok(ShimState {
         shim_pid: me,
         shim_start: start_time(me).unwrap_or(0),
         init_pid: init.as_raw(),
         init_start: start_time(init.as_raw()).unwrap_or(0),
-    };
+    })
+}
+
+/// Records the shim's state in the run directory (`shim.json`), for a
+/// daemon that restarts without it in its database and for teardown.
+fn record(paths: &RunPaths, state: &ShimState) -> Result<(), ShimError> {
     let path = paths.shim_state();
-    let body = serde_json::to_vec(&state).map_err(|e| ShimError::State {
+    let body = serde_json::to_vec(state).map_err(|e| ShimError::State {
         path: path.clone(),
         source: std::io::Error::other(e),
     })?;
-    write_atomic(&path, &body).map_err(|source| ShimError::State { path, source })?;
-    Ok(state)
+    write_atomic(&path, &body).map_err(|source| ShimError::State { path, source })
 }
 
 /// Entry point of `sbx shim --zygote`: the one process, per daemon, that
@@ -234,8 +239,19 @@ fn shim_main(run_dir: PathBuf, id: &str, go: Option<OwnedFd>) -> i32 {
             None
         }
     };
-    let _ = writeln!(stdout, "ready {}", state.init_pid);
+    // The state goes with "ready" (the daemon keeps it in its database);
+    // the file is written after, off the create's path (an ext4 create
+    // and rename here).
+    let line = serde_json::to_string(&state).unwrap_or_default();
+    let _ = writeln!(stdout, "ready {} {line}", state.init_pid);
     let _ = stdout.flush();
+    // The first exec's standby before the file: the exec comes sooner.
+    if let Some(s) = &mut execs {
+        s.keep_standby();
+    }
+    if let Err(e) = record(&paths, &state) {
+        eprintln!("sbx shim: {e}");
+    }
     if let Ok(null) = dev_null() {
         let _ = nix::unistd::dup2(std::os::fd::AsRawFd::as_raw_fd(&null), 1);
     }

@@ -388,7 +388,10 @@ async fn create_inner(
         tracing::warn!(run = id, shim_log = %last.join(" | "), "shim failed");
         return Err(SandboxError::Shim(msg.to_string()));
     }
-    let shim = ShimState::load(&paths).map_err(SandboxError::ShimState)?;
+    let shim = match ready_state(&line) {
+        Some(s) => s,
+        None => ShimState::load(&paths).map_err(SandboxError::ShimState)?,
+    };
     tracing::debug!(
         run = id,
         prepare_us = t_prepare.as_micros() as u64,
@@ -402,6 +405,12 @@ async fn create_inner(
         proxy: None,
         net: None,
     })
+}
+
+/// The shim's state from its `ready <init-pid> <state>` line.
+fn ready_state(line: &str) -> Option<ShimState> {
+    let (_, json) = line.trim_end().strip_prefix("ready ")?.split_once(' ')?;
+    serde_json::from_str(json).ok()
 }
 
 /// Tears a run down completely; blocking. Safe to call on anything left
@@ -528,4 +537,24 @@ pub fn find_shims(runs_dir: &Path) -> Vec<(i32, String)> {
         .filter(|(_, ppid, _)| !pids.contains(ppid))
         .map(|(pid, _, id)| (pid, id))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ready_line_carries_the_shim_state() {
+        let s = ready_state(
+            "ready 42 {\"shim_pid\":7,\"shim_start\":8,\"init_pid\":42,\"init_start\":9}\n",
+        )
+        .expect("state");
+        assert_eq!(
+            (s.shim_pid, s.shim_start, s.init_pid, s.init_start),
+            (7, 8, 42, 9)
+        );
+        // A shim that only names its init: the daemon reads shim.json.
+        assert!(ready_state("ready 42\n").is_none());
+        assert!(ready_state("error nope\n").is_none());
+    }
 }

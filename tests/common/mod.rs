@@ -252,6 +252,14 @@ impl Daemon {
         )
     }
 
+    /// The run's shim record (`shim.json`; the shim writes it just after
+    /// it reports ready, so it is waited for).
+    pub fn shim_state(&self, id: &str) -> Value {
+        let path = self.state.join("runs").join(id).join("shim.json");
+        wait_for("shim.json", 5, || path.exists());
+        serde_json::from_slice(&std::fs::read(&path).expect("shim.json")).expect("shim state")
+    }
+
     /// Everything this daemon left on the host for run `id`.
     pub fn leftovers(&self, id: &str) -> Vec<String> {
         let mut out = Vec::new();
