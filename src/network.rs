@@ -275,7 +275,7 @@ impl Network {
 
     /// A network for a new run: a ready slot of its tier (built now if the
     /// pool is empty) and, for the allowlist tier, a proxy port. The caller
-    /// refills the pool ([`Network::refill_soon`]) once its run is up.
+    /// refills the pool ([`Network::created`]) once its run is up.
     pub async fn take(
         self: &Arc<Self>,
         tier: Tier,
@@ -319,7 +319,7 @@ impl Network {
     /// run that took a slot is up: building a slot (new namespace, veth,
     /// table: 20-40 ms here, much of it under the kernel's rtnl lock) while
     /// that run is still being created slowed its create by ~15 ms.
-    pub fn refill_soon(self: &Arc<Self>, tier: Tier) {
+    fn refill_soon(self: &Arc<Self>, tier: Tier) {
         let me = self.clone();
         tokio::spawn(async move { me.refill(tier).await });
     }
@@ -534,15 +534,30 @@ impl Network {
     /// network namespace setup, ~0.45 ms here, plus bringing loopback up
     /// from the shim — was the largest single step of a create. The caller
     /// drops the pin once the run is up or has failed
-    /// ([`Network::unpin_soon`]): from then on the run's processes alone hold
+    /// ([`Network::created`]): from then on the run's processes alone hold
     /// the namespace, so it goes with them and nothing about it is
     /// persisted. Pins left by a crash are removed by [`Network::reconcile`].
     pub fn take_loopback_only(&self) -> Option<std::path::PathBuf> {
         self.loners().pop()
     }
 
+    /// A run that took from a pool is up (or failed): tops the pool up in
+    /// the background, and drops the pin of a loopback-only namespace it
+    /// took (`tier` None: a `none` run).
+    pub fn created(self: &Arc<Self>, tier: Option<Tier>, loner: Option<std::path::PathBuf>) {
+        match tier {
+            Some(t) => self.refill_soon(t),
+            None => {
+                if let Some(p) = loner {
+                    self.unpin_soon(p);
+                }
+                self.refill_loopback_only_soon();
+            }
+        }
+    }
+
     /// Drops a taken namespace's pin, in the background.
-    pub fn unpin_soon(&self, path: std::path::PathBuf) {
+    fn unpin_soon(&self, path: std::path::PathBuf) {
         tokio::task::spawn_blocking(move || {
             if let Err(e) = sbx_netns::remove_pinned(&path) {
                 tracing::error!(path = %path.display(), error = %e, "unpin network namespace");
@@ -551,7 +566,7 @@ impl Network {
     }
 
     /// Tops up the loopback-only namespaces in the background.
-    pub fn refill_loopback_only_soon(self: &Arc<Self>) {
+    fn refill_loopback_only_soon(self: &Arc<Self>) {
         use std::sync::atomic::Ordering;
         if self.refilling_loners.swap(true, Ordering::AcqRel) {
             return;

@@ -176,18 +176,23 @@ impl Layout {
 pub fn create(layout: &Layout, rel: &str) -> Result<Vec<PathBuf>, CgroupError> {
     let dirs = layout.dirs(rel);
     for d in &dirs {
-        match fs::create_dir(d) {
-            Ok(()) => inherit_cpuset(d)?,
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-            Err(source) => {
-                return Err(CgroupError::Create {
-                    path: d.clone(),
-                    source,
-                })
-            }
-        }
+        make_dir(d, true)?;
     }
     Ok(dirs)
+}
+
+/// Makes one cgroup directory (there already is fine); a new one gets its
+/// parent's cpuset where `cpuset` says the hierarchy may have one.
+fn make_dir(dir: &Path, cpuset: bool) -> Result<(), CgroupError> {
+    match fs::create_dir(dir) {
+        Ok(()) if cpuset => inherit_cpuset(dir),
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        Err(source) => Err(CgroupError::Create {
+            path: dir.to_path_buf(),
+            source,
+        }),
+    }
 }
 
 /// A new v1 cpuset cgroup starts with no CPUs and no memory nodes, and
@@ -262,12 +267,7 @@ pub fn join_exec_own(layout: &Layout, exec_rel: &str, pid: u32) -> Result<(), Cg
                 if out.contains(&d) {
                     continue;
                 }
-                match fs::create_dir(&d) {
-                    Ok(()) if h.controllers.iter().any(|c| c == "cpuset") => inherit_cpuset(&d)?,
-                    Ok(()) => {}
-                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-                    Err(source) => return Err(CgroupError::Create { path: d, source }),
-                }
+                make_dir(&d, h.controllers.iter().any(|c| c == "cpuset"))?;
                 out.push(d);
             }
             out

@@ -124,9 +124,9 @@ impl ExecServer {
             .set_nonblocking(false)
             .and_then(|()| conn.set_read_timeout(Some(Duration::from_secs(2))))
             .and_then(|()| recv_request(&conn))
-            .and_then(|(req, stdio)| {
+            .and_then(|(req, frame, stdio)| {
                 self.load_bpf(&req)?;
-                match self.hand_to_standby(&req, &stdio) {
+                match self.hand_to_standby(&req, &frame, &stdio) {
                     Some(pid) => Ok(pid),
                     None => self.spawn(&req, stdio),
                 }
@@ -174,8 +174,7 @@ impl ExecServer {
     /// In the standby: gets ready, waits for one request, runs it. Returns
     /// only on error or when the shim closed the socket, with the exit code.
     fn standby_child(&self, ctl: UnixStream) -> i32 {
-        let _ =
-            nix::sys::signal::sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
+        unblock_signals();
         // SAFETY: prctl with integer arguments only.
         unsafe {
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
@@ -209,13 +208,11 @@ impl ExecServer {
         }
         // SAFETY: fd 3 is the control socket, owned by nothing else here.
         let ctl = unsafe { UnixStream::from_raw_fd(3) };
-        let Ok((req, stdio)) = recv_request(&ctl) else {
+        let Ok((req, _, stdio)) = recv_request(&ctl) else {
             return 0;
         };
-        for (target, fd) in stdio.iter().enumerate() {
-            if nix::unistd::dup2(fd.as_raw_fd(), target as RawFd).is_err() {
-                return EXIT_CANNOT_ENTER;
-            }
+        if !install_stdio(&stdio) {
+            return EXIT_CANNOT_ENTER;
         }
         drop(stdio);
         crate::exec::run_command(&req)
@@ -225,7 +222,12 @@ impl ExecServer {
     /// cgroups (the shim is still in the host's mount namespace) and sends
     /// it the request and stdio. `None` when there is no standby or it
     /// cannot take this request; the shim forks as before then.
-    fn hand_to_standby(&mut self, req: &ExecRequest, stdio: &[OwnedFd; 3]) -> Option<Pid> {
+    fn hand_to_standby(
+        &mut self,
+        req: &ExecRequest,
+        frame: &[u8],
+        stdio: &[OwnedFd; 3],
+    ) -> Option<Pid> {
         let standby = self.standby.take()?;
         let same_run = req
             .cgroup
@@ -241,7 +243,7 @@ impl ExecServer {
                 .is_ok()
             && send_request(
                 &standby.ctl,
-                &crate::exec::encode_request(req),
+                frame,
                 [stdio[0].as_fd(), stdio[1].as_fd(), stdio[2].as_fd()],
             )
             .is_ok();
@@ -283,10 +285,8 @@ impl ExecServer {
 
     /// In the forked child: returns only on error, with the exit code.
     fn child(&self, req: &ExecRequest, stdio: &[OwnedFd; 3], bpf: Option<&[u8]>) -> i32 {
-        for (target, fd) in stdio.iter().enumerate() {
-            if nix::unistd::dup2(fd.as_raw_fd(), target as RawFd).is_err() {
-                return EXIT_CANNOT_ENTER;
-            }
+        if !install_stdio(stdio) {
+            return EXIT_CANNOT_ENTER;
         }
         // Nothing else of the shim's may reach the command (libcontainer
         // leaves descriptors without close-on-exec).
@@ -299,10 +299,7 @@ impl ExecServer {
                 libc::CLOSE_RANGE_CLOEXEC,
             );
         }
-        // The shim takes its signals through a signalfd; the command must not
-        // inherit that mask.
-        let _ =
-            nix::sys::signal::sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
+        unblock_signals();
         // "0" is the writer itself, whatever pid namespace it is in.
         if let Err(e) = cgroups::join_exec(&self.layout, &req.cgroup, 0) {
             return crate::exec::fail(EXIT_CANNOT_ENTER, &format!("join exec cgroup: {e}"));
@@ -364,8 +361,23 @@ fn rename_cmdline(name: &str) {
     }
 }
 
-/// Reads one request and its three stdio descriptors.
-fn recv_request(conn: &UnixStream) -> io::Result<(ExecRequest, [OwnedFd; 3])> {
+/// The exec's stdin, stdout and stderr as 0, 1 and 2.
+fn install_stdio(stdio: &[OwnedFd; 3]) -> bool {
+    stdio
+        .iter()
+        .enumerate()
+        .all(|(target, fd)| nix::unistd::dup2(fd.as_raw_fd(), target as RawFd).is_ok())
+}
+
+/// The shim takes its signals through a signalfd; its children must not
+/// inherit that mask.
+fn unblock_signals() {
+    let _ = nix::sys::signal::sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
+}
+
+/// Reads one request: parsed, its frame as it came (passed on to a standby
+/// as is), and its three stdio descriptors.
+fn recv_request(conn: &UnixStream) -> io::Result<(ExecRequest, Vec<u8>, [OwnedFd; 3])> {
     let mut buf = vec![0u8; 64 * 1024];
     let (n, fds) = fdpass::recv_with_fds(conn.as_fd(), &mut buf)?;
     let stdio: [OwnedFd; 3] = fds
@@ -384,8 +396,9 @@ fn recv_request(conn: &UnixStream) -> io::Result<(ExecRequest, [OwnedFd; 3])> {
     if n < 4 + len {
         (&*conn).read_exact(&mut buf[n..4 + len])?;
     }
-    let req = serde_json::from_slice(&buf[4..4 + len]).map_err(io::Error::other)?;
-    Ok((req, stdio))
+    buf.truncate(4 + len);
+    let req = serde_json::from_slice(&buf[4..]).map_err(io::Error::other)?;
+    Ok((req, buf, stdio))
 }
 
 /// Daemon side: sends `request` (already framed) with the command's stdio.
@@ -452,8 +465,13 @@ mod tests {
         let sender = std::thread::spawn(move || {
             send_request(&a, &bytes, [w2.as_fd(), w2.as_fd(), w2.as_fd()]).expect("send");
         });
-        let (got, stdio) = recv_request(&b).expect("recv");
+        let (got, frame, stdio) = recv_request(&b).expect("recv");
         sender.join().expect("join");
+        assert_eq!(
+            frame,
+            crate::exec::encode_request(&req),
+            "the frame as sent"
+        );
         assert_eq!(got.argv, req.argv);
         assert_eq!(got.cgroup, req.cgroup);
         // The received descriptor is the pipe's write end.

@@ -5,8 +5,7 @@
 //! records its exit, and outlives daemon restarts.
 //!
 //! Protocol with the daemon: the shim prints one line on its ready pipe —
-//! `ready <init-pid> <state as JSON>` or `error <message>` — then detaches
-//! stdout. It then
+//! `ready <state as JSON>` or `error <message>` — then detaches stdout. It then
 //! serves execs on `exec.sock` (see `execsrv`). SIGTERM asks it to kill the
 //! run; it exits when the run's init is gone, leaving `exit` (the init's
 //! wait status) in the run directory. Teardown of cgroups
@@ -126,10 +125,9 @@ fn record(paths: &RunPaths, state: &ShimState) -> Result<(), ShimError> {
 #[allow(unsafe_code)]
 pub fn zygote_main() -> i32 {
     // Shims are reaped by the kernel; each puts SIGCHLD back (shim_main).
-    let _ = unsafe {
-        // SAFETY: setting a disposition touches no memory of ours.
-        nix::sys::signal::signal(Signal::SIGCHLD, nix::sys::signal::SigHandler::SigIgn)
-    };
+    // SAFETY: SIG_IGN installs no handler; nothing of ours runs on a signal.
+    let _ =
+        unsafe { nix::sys::signal::signal(Signal::SIGCHLD, nix::sys::signal::SigHandler::SigIgn) };
     let mut buf = vec![0u8; 8192];
     loop {
         // SAFETY: fd 0 is the daemon's socket for the life of the zygote.
@@ -243,7 +241,7 @@ fn shim_main(run_dir: PathBuf, id: &str, go: Option<OwnedFd>) -> i32 {
     // the file is written after, off the create's path (an ext4 create
     // and rename here).
     let line = serde_json::to_string(&state).unwrap_or_default();
-    let _ = writeln!(stdout, "ready {} {line}", state.init_pid);
+    let _ = writeln!(stdout, "ready {line}");
     let _ = stdout.flush();
     // The first exec's standby before the file: the exec comes sooner.
     if let Some(s) = &mut execs {

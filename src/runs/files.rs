@@ -230,14 +230,7 @@ fn replace_file(
     let result = (|| -> Result<(), FileError> {
         let mut f = std::fs::File::from(fd);
         f.write_all(data)?;
-        if let Some((uid, gid)) = owner {
-            rustix::fs::fchown(
-                &f,
-                Some(rustix::fs::Uid::from_raw(uid)),
-                Some(rustix::fs::Gid::from_raw(gid)),
-            )?;
-        }
-        rustix::fs::fchmod(&f, Mode::from_raw_mode(mode & 0o7777))?;
+        set_owner_mode(&f, owner, mode & 0o7777)?;
         rustix::fs::renameat(&d, tmp.as_str(), &d, name)?;
         Ok(())
     })();
@@ -245,6 +238,23 @@ fn replace_file(
         let _ = rustix::fs::unlinkat(&d, tmp.as_str(), AtFlags::empty());
     }
     result
+}
+
+/// `owner` (when given), then `mode`, on an open file or directory.
+fn set_owner_mode(
+    fd: impl std::os::fd::AsFd,
+    owner: Option<(u32, u32)>,
+    mode: u32,
+) -> Result<(), FileError> {
+    if let Some((uid, gid)) = owner {
+        rustix::fs::fchown(
+            &fd,
+            Some(rustix::fs::Uid::from_raw(uid)),
+            Some(rustix::fs::Gid::from_raw(gid)),
+        )?;
+    }
+    rustix::fs::fchmod(&fd, Mode::from_raw_mode(mode))?;
+    Ok(())
 }
 
 /// Opens (creating as needed) directory `rel` of a run's root: no
@@ -261,14 +271,7 @@ pub fn ensure_dir(
     let dir = walk_create(open_root(rootfs)?, &comps, |_, _| Ok(()))?;
     if !comps.is_empty() {
         let d = reopen(&dir, OFlags::RDONLY | OFlags::DIRECTORY)?;
-        if let Some((uid, gid)) = owner {
-            rustix::fs::fchown(
-                &d,
-                Some(rustix::fs::Uid::from_raw(uid)),
-                Some(rustix::fs::Gid::from_raw(gid)),
-            )?;
-        }
-        rustix::fs::fchmod(&d, Mode::from_raw_mode(mode))?;
+        set_owner_mode(&d, owner, mode)?;
     }
     Ok(dir)
 }

@@ -468,14 +468,8 @@ impl Registry {
                             .map(|(n, rn)| n.netns_path(&rn.slot))
                             .or_else(|| loner.clone());
                         let created = sandbox::create(&host, &id, &plan, root, netns).await;
-                        if let (Some(n), Some(rn)) = (&net, &run_net) {
-                            n.refill_soon(rn.tier);
-                        }
-                        if let (Some(n), None) = (&net, &run_net) {
-                            if let Some(p) = loner {
-                                n.unpin_soon(p);
-                            }
-                            n.refill_loopback_only_soon();
+                        if let Some(n) = &net {
+                            n.created(run_net.as_ref().map(|rn| rn.tier), loner);
                         }
                         let created = created.map(Box::new).map_err(|e| {
                             // An unusable image is the client's problem, the rest ours.

@@ -33,8 +33,6 @@ pub enum SandboxError {
     Spawn(#[source] std::io::Error),
     #[error("shim failed: {0}")]
     Shim(String),
-    #[error("read shim state")]
-    ShimState(#[source] std::io::Error),
     #[error("mount image")]
     Mount(#[source] sbx_images::overlay::OverlayError),
     #[error("remove cgroups")]
@@ -128,9 +126,9 @@ impl ShimZygote {
     }
 
     /// Has the zygote fork a shim for the run in `dir`; returns the pipe the
-    /// shim answers `ready <pid>` or `error <why>` on. The shim reads the
-    /// bundle, then waits for `go` (see [`Go`]) before it creates the run,
-    /// so the daemon can finish the root meanwhile.
+    /// shim answers `ready <state>` or `error <why>` on. The shim reads the
+    /// bundle, then waits for a byte on `go` before it creates the run, so
+    /// the daemon can finish the root meanwhile (a closed `go` gives up).
     pub async fn fork_shim(
         &self,
         dir: &Path,
@@ -388,10 +386,8 @@ async fn create_inner(
         tracing::warn!(run = id, shim_log = %last.join(" | "), "shim failed");
         return Err(SandboxError::Shim(msg.to_string()));
     }
-    let shim = match ready_state(&line) {
-        Some(s) => s,
-        None => ShimState::load(&paths).map_err(SandboxError::ShimState)?,
-    };
+    let shim = ready_state(&line)
+        .ok_or_else(|| SandboxError::Shim(format!("malformed answer {:?}", line.trim_end())))?;
     tracing::debug!(
         run = id,
         prepare_us = t_prepare.as_micros() as u64,
@@ -407,10 +403,9 @@ async fn create_inner(
     })
 }
 
-/// The shim's state from its `ready <init-pid> <state>` line.
+/// The shim's state from its `ready <state>` line.
 fn ready_state(line: &str) -> Option<ShimState> {
-    let (_, json) = line.trim_end().strip_prefix("ready ")?.split_once(' ')?;
-    serde_json::from_str(json).ok()
+    serde_json::from_str(line.trim_end().strip_prefix("ready ")?).ok()
 }
 
 /// Tears a run down completely; blocking. Safe to call on anything left
@@ -546,14 +541,14 @@ mod tests {
     #[test]
     fn the_ready_line_carries_the_shim_state() {
         let s = ready_state(
-            "ready 42 {\"shim_pid\":7,\"shim_start\":8,\"init_pid\":42,\"init_start\":9}\n",
+            "ready {\"shim_pid\":7,\"shim_start\":8,\"init_pid\":42,\"init_start\":9}\n",
         )
         .expect("state");
         assert_eq!(
             (s.shim_pid, s.shim_start, s.init_pid, s.init_start),
             (7, 8, 42, 9)
         );
-        // A shim that only names its init: the daemon reads shim.json.
+        // Anything else is no state: the create fails, naming the line.
         assert!(ready_state("ready 42\n").is_none());
         assert!(ready_state("error nope\n").is_none());
     }
