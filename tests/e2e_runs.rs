@@ -360,6 +360,19 @@ fn exec_standby_is_confined_and_expendable() {
     assert_eq!(d.sh(&id, "true")["exitCode"], 0);
     let out = d.sh(&id, STANDBY_PROBE);
     assert_eq!(out["stdout"], "sbx-exec\nroot\nrefused\n", "{out}");
+    // One standby serves exec after exec: the commands are its children's
+    // (vspawn), not itself, and they are the shim's children, as the run's
+    // init is.
+    let standby_pid =
+        "for p in /proc/[0-9]*; do [ \"$(cat $p/comm)\" = sbx-exec ] && echo ${p#/proc/}; done";
+    let first = d.sh(&id, standby_pid)["stdout"].clone();
+    assert!(first.as_str().is_some_and(|s| !s.is_empty()), "{first}");
+    for _ in 0..5 {
+        assert_eq!(d.sh(&id, "true")["exitCode"], 0);
+    }
+    assert_eq!(d.sh(&id, standby_pid)["stdout"], first);
+    let out = d.sh(&id, "grep PPid /proc/$$/status; grep PPid /proc/1/status");
+    assert_eq!(out["stdout"], "PPid:\t0\nPPid:\t0\n", "{out}");
     // A run whose user is root can kill it: execs go on working, each one
     // as confined as before, whether a standby or a fresh fork serves it.
     let root = d.create(json!({"user": "0"}));

@@ -258,6 +258,29 @@ pub fn join_run_shared(layout: &Layout, run_rel: &str, pid: u32) -> Result<(), C
 /// The other part of [`join_exec`]: creates the exec's own cgroup where it
 /// gets one and moves `pid` there.
 pub fn join_exec_own(layout: &Layout, exec_rel: &str, pid: u32) -> Result<(), CgroupError> {
+    for d in exec_own_dirs(layout, exec_rel)? {
+        write_procs(&d, pid)?;
+    }
+    Ok(())
+}
+
+/// Creates the exec's own cgroup where it gets one and opens each
+/// `cgroup.procs` for writing: a process that writes "0" to them joins
+/// (an exec standby's command does, before it execs).
+pub fn open_exec_own(layout: &Layout, exec_rel: &str) -> Result<Vec<fs::File>, CgroupError> {
+    exec_own_dirs(layout, exec_rel)?
+        .into_iter()
+        .map(|d| {
+            let path = d.join("cgroup.procs");
+            fs::OpenOptions::new()
+                .write(true)
+                .open(&path)
+                .map_err(|source| CgroupError::Write { path, source })
+        })
+        .collect()
+}
+
+fn exec_own_dirs(layout: &Layout, exec_rel: &str) -> Result<Vec<PathBuf>, CgroupError> {
     let targets: Vec<PathBuf> = match layout {
         Layout::V2 { .. } => create(layout, exec_rel)?,
         Layout::V1 { hierarchies } => {
@@ -273,10 +296,7 @@ pub fn join_exec_own(layout: &Layout, exec_rel: &str, pid: u32) -> Result<(), Cg
             out
         }
     };
-    for d in targets {
-        write_procs(&d, pid)?;
-    }
-    Ok(())
+    Ok(targets)
 }
 
 fn write_procs(dir: &Path, pid: u32) -> Result<(), CgroupError> {

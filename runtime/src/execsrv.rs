@@ -12,21 +12,27 @@
 //! or `error <message>` when it could not be started. The command runs in
 //! the exec's own cgroup, so a timeout kills it from outside as before.
 //!
-//! The exec standby: between execs the shim keeps one forked child that has
-//! already done everything an exec does before it knows its command — it
+//! The exec standby: the shim keeps one forked child in the run that has
+//! done once everything an exec does before it knows its command — it
 //! joined the run's shared v1 cgroups, entered the run's namespaces, reset
 //! its signals, dropped its bounding set and installed the run's seccomp
-//! filter — and waits on a socketpair. An exec then costs the shim a mkdir
-//! and a `cgroup.procs` write per killing hierarchy and one message; the
-//! fork (0.13–0.3 ms) and the ~0.5 ms of confining happen while no exec
-//! waits. The standby is visible in the run as `sbx-exec` (root, with
-//! capabilities, so the run's processes cannot ptrace it or read its
+//! filter — and waits on a socketpair. For each exec the shim makes the
+//! exec's own cgroups, opens their `cgroup.procs` and sends the request,
+//! the stdio and those files; the standby starts the command as a
+//! `CLONE_VM | CLONE_VFORK | CLONE_PARENT` child (see `vspawn`) and waits
+//! for the next. No fork of the shim, no confining and no address-space
+//! teardown is left on an exec's path or in its CPU bill (a standby per
+//! exec, forked and confined anew each time, cost ~0.35 ms more per exec
+//! side by side). The standby is visible in the run as `sbx-exec` (root,
+//! with capabilities, so the run's processes cannot ptrace it or read its
 //! descriptors); it dies with the shim (PDEATHSIG) and with the run's pid
-//! namespace. A request it cannot serve — another seccomp program, a cgroup
-//! outside the run — falls back to a fresh fork.
+//! namespace, and a new one is forked when the shim is next idle. A
+//! request it cannot serve — another seccomp program, a cgroup outside the
+//! run — falls back to a fresh fork.
 
 #![allow(unsafe_code)]
 
+use std::collections::VecDeque;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::PermissionsExt;
@@ -54,6 +60,9 @@ pub struct ExecServer {
     init: OwnedFd,
     /// Commands started and not yet reaped, with the connection to answer.
     running: Vec<(Pid, UnixStream)>,
+    /// Connections whose command the standby is starting, oldest first:
+    /// each gets the next pid the standby's commands report.
+    awaiting: VecDeque<UnixStream>,
     /// The seccomp program, read once from the path the requests name.
     bpf: Option<(PathBuf, Vec<u8>)>,
     /// The run's cgroup and the filter its init installed: what a standby
@@ -61,7 +70,7 @@ pub struct ExecServer {
     run_cgroup: Option<String>,
     run_bpf: Option<Vec<u8>>,
     standby: Option<Standby>,
-    /// Standbys that died before they were used, in a row: at
+    /// Standbys that died with no exec handed to them in between: at
     /// [`MAX_STANDBY_DEATHS`] the shim stops forking them (no fork loop
     /// when something in the run kills each one).
     standby_deaths: u32,
@@ -96,6 +105,7 @@ impl ExecServer {
             layout,
             init,
             running: Vec::new(),
+            awaiting: VecDeque::new(),
             bpf: None,
             run_cgroup: facts.cgroups_path.clone(),
             run_bpf: facts.seccomp_bpf.clone(),
@@ -124,15 +134,19 @@ impl ExecServer {
             .set_nonblocking(false)
             .and_then(|()| conn.set_read_timeout(Some(Duration::from_secs(2))))
             .and_then(|()| recv_request(&conn))
-            .and_then(|(req, frame, stdio)| {
+            .and_then(|(req, frame, fds)| {
+                let stdio: [OwnedFd; 3] = fds.try_into().map_err(|_| {
+                    io::Error::other("expected 3 descriptors: stdin, stdout, stderr")
+                })?;
                 self.load_bpf(&req)?;
-                match self.hand_to_standby(&req, &frame, &stdio) {
-                    Some(pid) => Ok(pid),
-                    None => self.spawn(&req, stdio),
+                if self.hand_to_standby(&req, &frame, &stdio) {
+                    return Ok(None);
                 }
+                self.spawn(&req, stdio).map(Some)
             });
         match started {
-            Ok(pid) => self.running.push((pid, conn)),
+            Ok(Some(pid)) => self.running.push((pid, conn)),
+            Ok(None) => self.awaiting.push_back(conn),
             Err(e) => {
                 let msg = e.to_string().replace('\n', " ");
                 let _ = conn.write_all(format!("error {msg}\n").as_bytes());
@@ -140,8 +154,8 @@ impl ExecServer {
         }
     }
 
-    /// Forks a standby unless one waits already. Costs nothing per exec:
-    /// the shim calls it when it has nothing else to do.
+    /// Forks a standby unless there is one. The shim calls it when it has
+    /// nothing else to do.
     pub fn keep_standby(&mut self) {
         if self.standby.is_some()
             || self.standby_deaths >= MAX_STANDBY_DEATHS
@@ -153,6 +167,11 @@ impl ExecServer {
         let Ok((ours, theirs)) = UnixStream::pair() else {
             return;
         };
+        // Each command's first byte comes with its pid (see `vspawn`).
+        if nix::sys::socket::setsockopt(&ours, nix::sys::socket::sockopt::PassCred, &true).is_err()
+        {
+            return;
+        }
         // SAFETY: the shim is single-threaded, so the child may run any code.
         match unsafe { fork() } {
             Ok(ForkResult::Child) => {
@@ -171,8 +190,9 @@ impl ExecServer {
         }
     }
 
-    /// In the standby: gets ready, waits for one request, runs it. Returns
-    /// only on error or when the shim closed the socket, with the exit code.
+    /// In the standby: gets ready, then starts one command per request.
+    /// Returns when the shim closed the socket, or on an error, with the
+    /// exit code.
     fn standby_child(&self, ctl: UnixStream) -> i32 {
         unblock_signals();
         // SAFETY: prctl with integer arguments only.
@@ -208,27 +228,28 @@ impl ExecServer {
         }
         // SAFETY: fd 3 is the control socket, owned by nothing else here.
         let ctl = unsafe { UnixStream::from_raw_fd(3) };
-        let Ok((req, _, stdio)) = recv_request(&ctl) else {
-            return 0;
-        };
-        if !install_stdio(&stdio) {
-            return EXIT_CANNOT_ENTER;
+        // Until the shim closes the socket (or dies): one command per request.
+        while let Ok((req, _, fds)) = recv_request(&ctl) {
+            let stdio = [fds[0].as_fd(), fds[1].as_fd(), fds[2].as_fd()];
+            let own: Vec<BorrowedFd<'_>> = fds[3..].iter().map(|f| f.as_fd()).collect();
+            if let Err(msg) = crate::vspawn::spawn(&req, stdio, &own, ctl.as_raw_fd()) {
+                // No process reported for this request: the shim answers it
+                // when it reaps this standby.
+                crate::vspawn::say(stdio[2], &msg);
+                return EXIT_CANNOT_ENTER;
+            }
         }
-        drop(stdio);
-        crate::exec::run_command(&req)
+        0
     }
 
-    /// Gives the request to the standby: moves it into the exec's own
-    /// cgroups (the shim is still in the host's mount namespace) and sends
-    /// it the request and stdio. `None` when there is no standby or it
-    /// cannot take this request; the shim forks as before then.
-    fn hand_to_standby(
-        &mut self,
-        req: &ExecRequest,
-        frame: &[u8],
-        stdio: &[OwnedFd; 3],
-    ) -> Option<Pid> {
-        let standby = self.standby.take()?;
+    /// Gives the request to the standby with the exec's stdio and its own
+    /// cgroups' `cgroup.procs`, opened here (the shim is still in the
+    /// host's mount namespace). False when there is no standby or it cannot
+    /// take this request; the shim forks as before then.
+    fn hand_to_standby(&mut self, req: &ExecRequest, frame: &[u8], stdio: &[OwnedFd; 3]) -> bool {
+        let Some(standby) = &self.standby else {
+            return false;
+        };
         let same_run = req
             .cgroup
             .rsplit_once('/')
@@ -237,23 +258,35 @@ impl ExecServer {
             (Some(_), Some((_, prog))) => Some(prog) == self.run_bpf.as_ref(),
             _ => false,
         };
-        let handed = same_run
-            && same_filter
-            && cgroups::join_exec_own(&self.layout, &req.cgroup, standby.pid.as_raw() as u32)
-                .is_ok()
-            && send_request(
-                &standby.ctl,
-                frame,
-                [stdio[0].as_fd(), stdio[1].as_fd(), stdio[2].as_fd()],
-            )
-            .is_ok();
-        if handed {
-            self.standby_deaths = 0;
-            return Some(standby.pid);
+        if !same_run || !same_filter {
+            return false;
         }
-        // Reaped like any child; a new one is forked when the shim is idle.
+        let Ok(own) = cgroups::open_exec_own(&self.layout, &req.cgroup) else {
+            return false;
+        };
+        let mut fds: Vec<BorrowedFd<'_>> = stdio.iter().map(|f| f.as_fd()).collect();
+        fds.extend(own.iter().map(|f| f.as_fd()));
+        if send_request(&standby.ctl, frame, &fds).is_ok() {
+            self.standby_deaths = 0;
+            return true;
+        }
+        // Broken: reaped like any child; a new one is forked when idle.
         let _ = nix::sys::signal::kill(standby.pid, nix::sys::signal::Signal::SIGKILL);
-        None
+        false
+    }
+
+    /// Gives each command the standby started since last time its
+    /// connection, in order, now that its pid is known.
+    fn collect_reports(&mut self) {
+        let Some(standby) = &self.standby else {
+            return;
+        };
+        while let Some(pid) = fdpass::try_recv_pid(standby.ctl.as_fd()) {
+            match self.awaiting.pop_front() {
+                Some(conn) => self.running.push((Pid::from_raw(pid), conn)),
+                None => eprintln!("sbx shim: exec standby reported pid {pid} for no exec"),
+            }
+        }
     }
 
     /// Reads the request's seccomp program on the host's side, once per path.
@@ -313,12 +346,18 @@ impl ExecServer {
     /// A child of the shim was reaped: answers its connection if it was an
     /// exec. `code` is the exit status, or 128+signal.
     pub fn reaped(&mut self, pid: Pid, code: i32) {
+        // A command may end before its pid is read: read them all first.
+        self.collect_reports();
         if self.standby.as_ref().is_some_and(|s| s.pid == pid) {
-            // Died while it waited (killed by the run's own root, say).
+            // Died (killed by the run's own root, say). Execs it had not
+            // started yet are answered as unstartable.
             self.standby = None;
+            for mut conn in self.awaiting.drain(..) {
+                let _ = conn.write_all(b"error the run's exec standby ended\n");
+            }
             self.standby_deaths += 1;
             if self.standby_deaths == MAX_STANDBY_DEATHS {
-                eprintln!("sbx shim: {MAX_STANDBY_DEATHS} exec standbys died unused; execs fork from now on");
+                eprintln!("sbx shim: {MAX_STANDBY_DEATHS} exec standbys died in a row; execs fork from now on");
             }
             return;
         }
@@ -376,13 +415,19 @@ fn unblock_signals() {
 }
 
 /// Reads one request: parsed, its frame as it came (passed on to a standby
-/// as is), and its three stdio descriptors.
-fn recv_request(conn: &UnixStream) -> io::Result<(ExecRequest, Vec<u8>, [OwnedFd; 3])> {
+/// as is), and its descriptors: stdin, stdout and stderr, then (from the
+/// shim to a standby) the exec's own `cgroup.procs` files.
+fn recv_request(conn: &UnixStream) -> io::Result<(ExecRequest, Vec<u8>, Vec<OwnedFd>)> {
     let mut buf = vec![0u8; 64 * 1024];
     let (n, fds) = fdpass::recv_with_fds(conn.as_fd(), &mut buf)?;
-    let stdio: [OwnedFd; 3] = fds
-        .try_into()
-        .map_err(|_| io::Error::other("expected stdin, stdout and stderr descriptors"))?;
+    if n == 0 {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
+    if fds.len() < 3 {
+        return Err(io::Error::other(
+            "expected stdin, stdout and stderr descriptors",
+        ));
+    }
     if n < 4 {
         return Err(io::Error::other("short exec request"));
     }
@@ -398,16 +443,12 @@ fn recv_request(conn: &UnixStream) -> io::Result<(ExecRequest, Vec<u8>, [OwnedFd
     }
     buf.truncate(4 + len);
     let req = serde_json::from_slice(&buf[4..]).map_err(io::Error::other)?;
-    Ok((req, buf, stdio))
+    Ok((req, buf, fds))
 }
 
 /// Daemon side: sends `request` (already framed) with the command's stdio.
-pub fn send_request(
-    conn: &UnixStream,
-    request: &[u8],
-    stdio: [BorrowedFd<'_>; 3],
-) -> io::Result<()> {
-    let sent = fdpass::send_with_fds(conn.as_fd(), request, &stdio)?;
+pub fn send_request(conn: &UnixStream, request: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+    let sent = fdpass::send_with_fds(conn.as_fd(), request, fds)?;
     if sent < request.len() {
         (&*conn).write_all(&request[sent..])?;
     }
@@ -463,7 +504,7 @@ mod tests {
         let (r, w) = nix::unistd::pipe().expect("pipe");
         let w2 = w.try_clone().expect("dup");
         let sender = std::thread::spawn(move || {
-            send_request(&a, &bytes, [w2.as_fd(), w2.as_fd(), w2.as_fd()]).expect("send");
+            send_request(&a, &bytes, &[w2.as_fd(), w2.as_fd(), w2.as_fd()]).expect("send");
         });
         let (got, frame, stdio) = recv_request(&b).expect("recv");
         sender.join().expect("join");

@@ -9,7 +9,7 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
 
 /// The most descriptors one message carries here.
-const MAX_FDS: usize = 4;
+const MAX_FDS: usize = 8;
 
 /// Sends `data` with `fds` attached to its first byte; returns how many
 /// bytes went (a stream socket may take fewer).
@@ -50,4 +50,27 @@ pub fn recv_with_fds(sock: BorrowedFd<'_>, buf: &mut [u8]) -> io::Result<(usize,
         }
     }
     Ok((msg.bytes, fds))
+}
+
+/// Without waiting: the pid the kernel attached to the next message on
+/// `sock` (whose `SO_PASSCRED` is on), in this process's pid namespace.
+/// `None` when nothing is there (or the peer closed).
+pub fn try_recv_pid(sock: BorrowedFd<'_>) -> Option<i32> {
+    let mut byte = [0u8; 1];
+    let mut cmsg = nix::cmsg_space!(nix::sys::socket::UnixCredentials);
+    let mut iov = [IoSliceMut::new(&mut byte)];
+    let msg = recvmsg::<()>(
+        sock.as_raw_fd(),
+        &mut iov,
+        Some(&mut cmsg),
+        MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_CMSG_CLOEXEC,
+    )
+    .ok()?;
+    if msg.bytes == 0 {
+        return None;
+    }
+    msg.cmsgs().ok()?.find_map(|c| match c {
+        ControlMessageOwned::ScmCredentials(cred) => Some(cred.pid()),
+        _ => None,
+    })
 }

@@ -10,6 +10,7 @@ pub mod init;
 pub mod seccomp;
 pub mod shim;
 pub mod spec;
+mod vspawn;
 
 use std::fs;
 use std::io;

@@ -110,8 +110,12 @@ fn start_in_shim(socket: &std::path::Path, header: &[u8]) -> Option<(Waiter, Std
     let (in_r, in_w) = nix::unistd::pipe2(flags).ok()?;
     let (out_r, out_w) = nix::unistd::pipe2(flags).ok()?;
     let (err_r, err_w) = nix::unistd::pipe2(flags).ok()?;
-    sbx_runtime::execsrv::send_request(&conn, header, [in_r.as_fd(), out_w.as_fd(), err_w.as_fd()])
-        .ok()?;
+    sbx_runtime::execsrv::send_request(
+        &conn,
+        header,
+        &[in_r.as_fd(), out_w.as_fd(), err_w.as_fd()],
+    )
+    .ok()?;
     // The command holds the other ends now.
     drop((in_r, out_w, err_w));
     conn.set_nonblocking(true).ok()?;
