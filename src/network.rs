@@ -159,7 +159,7 @@ impl Network {
     async fn live(&self) -> Result<&Live, NetworkError> {
         self.live
             .get_or_try_init(|| async {
-                let links = Links::connect()?;
+                let links = Links::connect_dedicated()?;
                 let names = &self.names;
                 let a = links.ensure_bridge(&names.bridge(Tier::Allowlist), self.allow.gateway(), self.allow.prefix).await?;
                 let o = links.ensure_bridge(&names.bridge(Tier::Open), self.open.gateway(), self.open.prefix).await?;
