@@ -126,6 +126,19 @@ impl Layout {
         Layout::from_mountinfo(&text)
     }
 
+    /// The layout this process, or the zygote it was forked from, detected
+    /// first (the daemon too keeps the one it found at start): a create's
+    /// shim does not read and parse mountinfo again, which grows with
+    /// every run's overlay mount.
+    pub fn detect_once() -> Result<Layout, CgroupError> {
+        static KNOWN: std::sync::OnceLock<Layout> = std::sync::OnceLock::new();
+        if let Some(l) = KNOWN.get() {
+            return Ok(l.clone());
+        }
+        let l = Layout::detect()?;
+        Ok(KNOWN.get_or_init(|| l).clone())
+    }
+
     pub fn is_v2(&self) -> bool {
         matches!(self, Layout::V2 { .. })
     }

@@ -94,7 +94,7 @@ impl ExecServer {
     ) -> io::Result<ExecServer> {
         let init = crate::exec::pidfd_open(init_pid)?;
         setns(init.as_fd(), CloneFlags::CLONE_NEWPID).map_err(io::Error::from)?;
-        let layout = Layout::detect().map_err(io::Error::other)?;
+        let layout = Layout::detect_once().map_err(io::Error::other)?;
         let path = paths.exec_socket();
         let _ = std::fs::remove_file(&path);
         let listener = UnixListener::bind(&path)?;

@@ -128,6 +128,16 @@ pub fn zygote_main() -> i32 {
     // SAFETY: SIG_IGN installs no handler; nothing of ours runs on a signal.
     let _ =
         unsafe { nix::sys::signal::signal(Signal::SIGCHLD, nix::sys::signal::SigHandler::SigIgn) };
+    // Once for every shim forked from here, and for libcontainer's
+    // processes forked from those (see `Layout::detect_once` and the
+    // libcgroups patch's `read_mountinfo`).
+    if let Ok(layout) = crate::cgroups::Layout::detect_once() {
+        if !layout.is_v2() {
+            let _ = libcgroups::v1::util::get_subsystem_mount_point(
+                &libcgroups::v1::ControllerType::CpuSet,
+            );
+        }
+    }
     let mut buf = vec![0u8; 8192];
     loop {
         // SAFETY: fd 0 is the daemon's socket for the life of the zygote.

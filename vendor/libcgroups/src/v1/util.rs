@@ -65,10 +65,18 @@ pub fn get_subsystem_mount_point(subsystem: &ControllerType) -> Result<PathBuf, 
     subsystem_mount_point_in(&read_mountinfo()?, subsystem)
 }
 
-// sbx patch: `/proc/self/mountinfo`, read once through the safe procfs
-// handle, so that a caller looking up every controller (`Manager::new`)
-// opens and checks it once instead of once per controller.
+// sbx patch: `/proc/self/mountinfo`, read once per process through the
+// safe procfs handle and kept to its cgroup lines, so that a caller looking
+// up every controller (`Manager::new`), the cpuset controller's two
+// look-ups and a child forked after them (libcontainer's intermediate
+// process) read and parse it once in all, not once per look-up (and not
+// the whole table, which holds every run's overlay mount with its long
+// options).
 pub(crate) fn read_mountinfo() -> Result<String, V1MountPointError> {
+    static CGROUP_MOUNTS: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    if let Some(text) = CGROUP_MOUNTS.get() {
+        return Ok(text.clone());
+    }
     // Room up front: procfs reports no size, and growing from empty took
     // eight reads.
     let mut text = String::with_capacity(16 * 1024);
@@ -81,7 +89,15 @@ pub(crate) fn read_mountinfo() -> Result<String, V1MountPointError> {
         &mut text,
     )
     .map_err(V1MountPointError::Io)?;
-    Ok(text)
+    let cgroup_lines: String = text
+        .lines()
+        .filter(|l| {
+            l.split_once(" - ")
+                .is_some_and(|(_, fs)| fs.starts_with("cgroup"))
+        })
+        .flat_map(|l| [l, "\n"])
+        .collect();
+    Ok(CGROUP_MOUNTS.get_or_init(|| cgroup_lines).clone())
 }
 
 /// [`get_subsystem_mount_point`] over mountinfo text already read.
