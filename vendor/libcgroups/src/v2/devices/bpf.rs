@@ -47,7 +47,7 @@ pub mod prog {
             log_size: 0,
             ..Default::default()
         };
-        // SAFETY (comment added by sbx; code as published): `insns` and
+        // SAFETY: (comment added by sbx; code as published) `insns` and
         // `opts` outlive the call and `opts.sz` is its size; the kernel
         // copies the program. libbpf reads `license` as a C string, so it
         // must end in NUL: the one caller passes "Apache" without one, an
@@ -77,7 +77,7 @@ pub mod prog {
         let mut attach_flags = 0_u32;
         for _ in 0..10 {
             let mut prog_cnt = prog_ids.len() as u32;
-            // SAFETY (comment added by sbx): `prog_ids` holds `prog_cnt`
+            // SAFETY: (comment added by sbx) `prog_ids` holds `prog_cnt`
             // entries and outlives the call, as do `attach_flags` and
             // `prog_cnt`; the kernel writes at most `prog_cnt` ids.
             #[allow(unused_unsafe)]
@@ -112,7 +112,7 @@ pub mod prog {
         let mut prog_fds = Vec::with_capacity(prog_ids.len());
         for prog_id in &prog_ids {
             // collect fds for programs by getting their ids
-            // SAFETY (comment added by sbx): an id by value; a new fd or -1.
+            // SAFETY: (comment added by sbx) an id by value; a new fd or -1.
             #[allow(unused_unsafe)]
             let prog_fd = unsafe { bpf_prog_get_fd_by_id(*prog_id) };
             if prog_fd < 0 {
@@ -128,7 +128,7 @@ pub mod prog {
     }
 
     pub fn detach2(prog_fd: RawFd, cgroup_fd: RawFd) -> Result<(), super::BpfError> {
-        // SAFETY (comment added by sbx): descriptors and a constant by value.
+        // SAFETY: (comment added by sbx) descriptors and a constant by value.
         #[allow(unused_unsafe)]
         let ret = unsafe { bpf_prog_detach2(prog_fd, cgroup_fd, BPF_CGROUP_DEVICE) };
         if ret != 0 {
@@ -138,7 +138,7 @@ pub mod prog {
     }
 
     pub fn attach(prog_fd: RawFd, cgroup_fd: RawFd) -> Result<(), super::BpfError> {
-        // SAFETY (comment added by sbx): descriptors and constants by value.
+        // SAFETY: (comment added by sbx) descriptors and constants by value.
         #[allow(unused_unsafe)]
         let ret =
             unsafe { bpf_prog_attach(prog_fd, cgroup_fd, BPF_CGROUP_DEVICE, BPF_F_ALLOW_MULTI) };
@@ -155,7 +155,7 @@ pub mod prog {
             rlim_max: 128 << 20,
         };
 
-        // SAFETY (comment added by sbx): `rlimit` is a live, initialized struct.
+        // SAFETY: (comment added by sbx) `rlimit` is a live, initialized struct.
         #[allow(unused_unsafe)]
         if unsafe { setrlimit(RLIMIT_MEMLOCK, &rlimit) } != 0 {
             return Err(super::BpfError::FailedToIncreaseRLimit);
@@ -253,7 +253,7 @@ mod tests {
                 // deref the ptr and fill it with some "ids"
                 // also set the prog_cnt to 4
                 set_errno(Errno(0));
-                // SAFETY (comment added by sbx): `prog::query` passes a live
+                // SAFETY: (comment added by sbx) `prog::query` passes a live
                 // count and a buffer of 64 ids; four are written.
                 unsafe {
                     *prog_cnt = 4;
@@ -298,7 +298,7 @@ mod tests {
              prog_ids: *mut libbpf_sys::__u32,
              prog_cnt: *mut libbpf_sys::__u32|
              -> ::std::os::raw::c_int {
-                // SAFETY (comment added by sbx): `prog::query` passes a live
+                // SAFETY: (comment added by sbx) `prog::query` passes a live
                 // count, and a buffer of 128 ids once it asked for more.
                 unsafe {
                     if *prog_cnt == 64 {
