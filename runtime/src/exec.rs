@@ -13,13 +13,12 @@
 
 #![allow(unsafe_code)]
 
-use std::ffi::CString;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::fd::{AsFd, FromRawFd, OwnedFd};
 
 use nix::sched::{setns, CloneFlags};
 use nix::sys::wait::{waitpid, WaitStatus};
-use nix::unistd::{fork, ForkResult, Gid, Uid};
+use nix::unistd::{fork, ForkResult};
 use serde::{Deserialize, Serialize};
 
 use crate::cgroups::{self, Layout};
@@ -72,8 +71,14 @@ fn read_request() -> std::io::Result<ExecRequest> {
     serde_json::from_slice(&body).map_err(std::io::Error::other)
 }
 
+/// Writes `sbx: <msg>` to an exec's stderr (`to`).
+pub(crate) fn say(to: impl AsFd, msg: &str) {
+    let _ = nix::unistd::write(to, format!("sbx: {msg}\n").as_bytes());
+}
+
+/// Says `msg` on this process's stderr; returns `code`.
 pub(crate) fn fail(code: i32, msg: &str) -> i32 {
-    let _ = writeln!(std::io::stderr(), "sbx: {msg}");
+    say(std::io::stderr(), msg);
     code
 }
 
@@ -254,32 +259,18 @@ fn load_bpf(prog: &[u8]) -> std::io::Result<()> {
     Ok(())
 }
 
-fn lookup_path(argv0: &str, env: &[String]) -> Option<String> {
-    if argv0.contains('/') {
-        return Some(argv0.to_string());
-    }
-    let path = env
-        .iter()
-        .find_map(|e| e.strip_prefix("PATH="))
-        .unwrap_or(crate::spec::DEFAULT_PATH);
-    path.split(':')
-        .filter(|d| !d.is_empty())
-        .map(|d| format!("{d}/{argv0}"))
-        .find(|p| nix::unistd::access(p.as_str(), nix::unistd::AccessFlags::X_OK).is_ok())
-}
-
 /// Runs in the forked child, inside the run's namespaces; returns only on error.
 pub(crate) fn child(req: &ExecRequest, bpf: Option<&[u8]>) -> i32 {
     if let Err(msg) = confine(bpf) {
         return fail(EXIT_CANNOT_ENTER, &msg);
     }
-    run_command(req)
+    crate::vspawn::exec_here(req)
 }
 
 /// What an exec's process does before it needs to know its command: every
 /// signal back to its default, no bounding set, the run's open-file limit,
 /// no_new_privs and the run's seccomp filter. The filter allows all that
-/// [`run_command`] still does (setgroups, setresuid, capset, chdir, execve),
+/// `vspawn`'s plan still does (setgroups, setresuid, capset, chdir, execve),
 /// so an exec standby can be confined before its request arrives.
 pub(crate) fn confine(bpf: Option<&[u8]>) -> Result<(), String> {
     reset_signal_dispositions();
@@ -294,54 +285,6 @@ pub(crate) fn confine(bpf: Option<&[u8]>) -> Result<(), String> {
     match bpf {
         Some(prog) => load_bpf(prog).map_err(|e| format!("seccomp: {e}")),
         None => crate::seccomp::load().map_err(|e| format!("seccomp: {e}")),
-    }
-}
-
-/// The rest, once [`confine`]d: becomes the request's user with no
-/// capabilities and execs its command. Returns only on error, with the
-/// exit code.
-pub(crate) fn run_command(req: &ExecRequest) -> i32 {
-    let gid = Gid::from_raw(req.gid);
-    let uid = Uid::from_raw(req.uid);
-    if let Err(e) = nix::unistd::setgroups(&[gid]) {
-        return fail(EXIT_CANNOT_ENTER, &format!("setgroups: {e}"));
-    }
-    if let Err(e) = nix::unistd::setresgid(gid, gid, gid) {
-        return fail(EXIT_CANNOT_ENTER, &format!("setgid: {e}"));
-    }
-    if let Err(e) = nix::unistd::setresuid(uid, uid, uid) {
-        return fail(EXIT_CANNOT_ENTER, &format!("setuid: {e}"));
-    }
-    for set in [
-        caps::CapSet::Ambient,
-        caps::CapSet::Inheritable,
-        caps::CapSet::Effective,
-        caps::CapSet::Permitted,
-    ] {
-        if let Err(e) = caps::clear(None, set) {
-            return fail(EXIT_CANNOT_ENTER, &format!("drop capabilities: {e}"));
-        }
-    }
-    if let Err(e) = nix::unistd::chdir(req.cwd.as_str()) {
-        return fail(EXIT_NOT_FOUND, &format!("cwd {}: {e}", req.cwd));
-    }
-    let Some(argv0) = req.argv.first() else {
-        return fail(EXIT_NOT_FOUND, "empty command");
-    };
-    let Some(path) = lookup_path(argv0, &req.env) else {
-        return fail(EXIT_NOT_FOUND, &format!("{argv0}: command not found"));
-    };
-    let to_c = |s: &String| CString::new(s.as_bytes()).unwrap_or_default();
-    let argv: Vec<CString> = req.argv.iter().map(to_c).collect();
-    let env: Vec<CString> = req.env.iter().map(to_c).collect();
-    let Ok(cpath) = CString::new(path.as_bytes()) else {
-        return fail(EXIT_NOT_FOUND, "command contains NUL");
-    };
-    let err = nix::unistd::execve(&cpath, &argv, &env).err();
-    match err {
-        Some(nix::errno::Errno::ENOENT) => fail(EXIT_NOT_FOUND, &format!("{path}: not found")),
-        Some(e) => fail(EXIT_NOT_EXECUTABLE, &format!("{path}: {e}")),
-        None => EXIT_NOT_EXECUTABLE,
     }
 }
 
@@ -367,15 +310,5 @@ mod tests {
         assert_eq!(len, bytes.len() - 4);
         let back: ExecRequest = serde_json::from_slice(&bytes[4..]).expect("json");
         assert_eq!(back.env, vec!["SECRET=x".to_string()]);
-    }
-
-    #[test]
-    fn path_lookup_uses_the_run_env() {
-        assert_eq!(lookup_path("/bin/sh", &[]), Some("/bin/sh".into()));
-        assert_eq!(
-            lookup_path("sh", &["PATH=/nonexistent:/bin".into()]),
-            Some("/bin/sh".into())
-        );
-        assert_eq!(lookup_path("definitely-not-a-cmd-xyz", &[]), None);
     }
 }

@@ -235,7 +235,7 @@ impl ExecServer {
             if let Err(msg) = crate::vspawn::spawn(&req, stdio, &own, ctl.as_raw_fd()) {
                 // No process reported for this request: the shim answers it
                 // when it reaps this standby.
-                crate::vspawn::say(stdio[2], &msg);
+                crate::exec::say(stdio[2], &msg);
                 return EXIT_CANNOT_ENTER;
             }
         }

@@ -17,6 +17,11 @@
 //! Until it execs, the child runs on the standby's memory with the
 //! standby suspended (`CLONE_VFORK`): it only makes system calls on what
 //! [`Plan`] prepared, allocates nothing and cannot unwind.
+//!
+//! The fork path (a command forked by the shim, or by `sbx exec-helper`)
+//! ends the same way, in place: [`exec_here`] runs the same steps over the
+//! same plan, so both paths drop privileges, search `PATH`, exit and word
+//! their failures alike.
 
 #![allow(unsafe_code)]
 
@@ -58,25 +63,33 @@ impl Stage {
     }
 }
 
-/// The exit code and message for a failed stage, as `run_command` words
-/// them on the fork path. Pure.
+/// The exit code of a process that stopped at `stage` with `errno`.
+fn exit_code(stage: Stage, errno: i32) -> i32 {
+    match stage {
+        Stage::Cwd | Stage::NotFound => EXIT_NOT_FOUND,
+        Stage::Exec if errno == libc::ENOENT => EXIT_NOT_FOUND,
+        Stage::Exec => EXIT_NOT_EXECUTABLE,
+        _ => EXIT_CANNOT_ENTER,
+    }
+}
+
+/// The exit code and message for a failed stage. Pure.
 fn failure(stage: Stage, errno: i32, req: &ExecRequest, path: &str) -> (i32, String) {
     let e = nix::errno::Errno::from_raw(errno);
     let argv0 = req.argv.first().map(String::as_str).unwrap_or_default();
-    match stage {
-        Stage::Cgroup => (EXIT_CANNOT_ENTER, format!("join exec cgroup: {e}")),
-        Stage::Stdio => (EXIT_CANNOT_ENTER, format!("stdio: {e}")),
-        Stage::Setgroups => (EXIT_CANNOT_ENTER, format!("setgroups: {e}")),
-        Stage::Setgid => (EXIT_CANNOT_ENTER, format!("setgid: {e}")),
-        Stage::Setuid => (EXIT_CANNOT_ENTER, format!("setuid: {e}")),
-        Stage::Capabilities => (EXIT_CANNOT_ENTER, format!("drop capabilities: {e}")),
-        Stage::Cwd => (EXIT_NOT_FOUND, format!("cwd {}: {e}", req.cwd)),
-        Stage::NotFound => (EXIT_NOT_FOUND, format!("{argv0}: command not found")),
-        Stage::Exec if e == nix::errno::Errno::ENOENT => {
-            (EXIT_NOT_FOUND, format!("{path}: not found"))
-        }
-        Stage::Exec => (EXIT_NOT_EXECUTABLE, format!("{path}: {e}")),
-    }
+    let msg = match stage {
+        Stage::Cgroup => format!("join exec cgroup: {e}"),
+        Stage::Stdio => format!("stdio: {e}"),
+        Stage::Setgroups => format!("setgroups: {e}"),
+        Stage::Setgid => format!("setgid: {e}"),
+        Stage::Setuid => format!("setuid: {e}"),
+        Stage::Capabilities => format!("drop capabilities: {e}"),
+        Stage::Cwd => format!("cwd {}: {e}", req.cwd),
+        Stage::NotFound => format!("{argv0}: command not found"),
+        Stage::Exec if e == nix::errno::Errno::ENOENT => format!("{path}: not found"),
+        Stage::Exec => format!("{path}: {e}"),
+    };
+    (exit_code(stage, errno), msg)
 }
 
 /// The paths `execve` is tried on: the command itself when it names a
@@ -100,24 +113,120 @@ fn candidates(argv0: &str, env: &[String]) -> (bool, Vec<String>) {
 
 /// Everything the command's process needs, prepared before it exists.
 struct Plan {
-    report: c_int,
+    /// The control socket to report on (the standby's children).
+    report: Option<c_int>,
     /// Exit at once with this code (when non-zero): the request cannot
-    /// run, and the standby says why.
+    /// run ([`Plan::refused`] says why).
     exit_now: c_int,
+    refused: Option<&'static str>,
     cgroups: Vec<c_int>,
-    stdio: [c_int; 3],
+    /// The exec's stdio, to become 0, 1 and 2 (installed already when None).
+    stdio: Option<[c_int; 3]>,
     gid: libc::gid_t,
     uid: libc::uid_t,
     cwd: CString,
     /// `execve` the first candidate as is (the command named a path).
     direct: bool,
+    paths: Vec<String>,
     candidates: Vec<CString>,
+    /// Own the strings `argv` and `envp` point into.
+    _strings: (Vec<CString>, Vec<CString>),
     argv: Vec<*const c_char>,
     envp: Vec<*const c_char>,
-    /// Written by the child when it could not exec.
+    /// Written by the process when it could not exec.
     stage: AtomicI32,
     errno: AtomicI32,
     tried: AtomicUsize,
+}
+
+impl Plan {
+    fn new(
+        req: &ExecRequest,
+        report: Option<RawFd>,
+        stdio: Option<[RawFd; 3]>,
+        cgroups: &[BorrowedFd<'_>],
+    ) -> Plan {
+        let to_c = |s: &str| CString::new(s.as_bytes());
+        let argv0 = req.argv.first().map(String::as_str).unwrap_or_default();
+        let (direct, paths) = candidates(argv0, &req.env);
+        let strings = (
+            req.argv
+                .iter()
+                .map(|s| to_c(s))
+                .collect::<Result<Vec<_>, _>>(),
+            req.env
+                .iter()
+                .map(|s| to_c(s))
+                .collect::<Result<Vec<_>, _>>(),
+            paths.iter().map(|s| to_c(s)).collect::<Result<Vec<_>, _>>(),
+            to_c(&req.cwd),
+        );
+        let refused = match &strings {
+            _ if req.argv.is_empty() => Some("empty command"),
+            (Ok(_), Ok(_), Ok(_), Ok(_)) => None,
+            _ => Some("command contains NUL"),
+        };
+        let (argv, env, cands, cwd) = match strings {
+            (Ok(a), Ok(e), Ok(c), Ok(w)) => (a, e, c, w),
+            _ => Default::default(),
+        };
+        let nul_terminated = |v: &[CString]| {
+            v.iter()
+                .map(|s| s.as_ptr())
+                .chain(std::iter::once(std::ptr::null()))
+                .collect::<Vec<_>>()
+        };
+        Plan {
+            report,
+            exit_now: if refused.is_some() { EXIT_NOT_FOUND } else { 0 },
+            refused,
+            cgroups: cgroups.iter().map(|f| f.as_raw_fd()).collect(),
+            stdio,
+            gid: req.gid,
+            uid: req.uid,
+            cwd,
+            direct,
+            paths,
+            candidates: cands,
+            argv: nul_terminated(&argv),
+            envp: nul_terminated(&env),
+            _strings: (argv, env),
+            stage: AtomicI32::new(0),
+            errno: AtomicI32::new(0),
+            tried: AtomicUsize::new(0),
+        }
+    }
+
+    /// Once the process ran [`command_process`] and did not exec: its exit
+    /// code and why. None when it exec'd.
+    fn outcome(&self, req: &ExecRequest) -> Option<(i32, String)> {
+        match Stage::from_i32(self.stage.load(Ordering::Relaxed)) {
+            Some(stage) => {
+                let tried = self.tried.load(Ordering::Relaxed);
+                let path = self
+                    .paths
+                    .get(tried)
+                    .map(String::as_str)
+                    .unwrap_or_default();
+                Some(failure(
+                    stage,
+                    self.errno.load(Ordering::Relaxed),
+                    req,
+                    path,
+                ))
+            }
+            None => self.refused.map(|m| (self.exit_now, m.to_string())),
+        }
+    }
+
+    /// The first candidate the process may execute (as it is now).
+    /// System calls only: it runs in the command's process.
+    fn choose(&self) -> Option<usize> {
+        (0..self.candidates.len()).find(|&i| {
+            // SAFETY: access reads a NUL-terminated string the Plan owns.
+            self.direct || unsafe { libc::access(self.candidates[i].as_ptr(), libc::X_OK) } == 0
+        })
+    }
 }
 
 #[repr(C)]
@@ -137,25 +246,23 @@ struct CapData {
 const CAP_VERSION_3: u32 = 0x2008_0522;
 
 extern "C" fn command_process(arg: *mut c_void) -> c_int {
-    // SAFETY: `arg` is the standby's Plan, which outlives this process's
-    // use of it: the standby is suspended until this process execs or exits.
+    // SAFETY: `arg` is a Plan that outlives this process's use of it: the
+    // standby is suspended until its child execs or exits, and
+    // `exec_here` holds it across the call.
     let plan = unsafe { &*(arg as *const Plan) };
     let stop = |stage: Stage| -> c_int {
         let errno = std::io::Error::last_os_error().raw_os_error().unwrap_or(0);
         plan.errno.store(errno, Ordering::Relaxed);
         plan.stage.store(stage as i32, Ordering::Relaxed);
-        match stage {
-            Stage::Cwd | Stage::NotFound => EXIT_NOT_FOUND,
-            Stage::Exec if errno == libc::ENOENT => EXIT_NOT_FOUND,
-            Stage::Exec => EXIT_NOT_EXECUTABLE,
-            _ => EXIT_CANNOT_ENTER,
-        }
+        exit_code(stage, errno)
     };
     // SAFETY: system calls on this process only, over memory the Plan owns
     // (NUL-terminated strings, null-terminated pointer arrays).
     unsafe {
         // First: the shim learns this pid from the kernel with this byte.
-        libc::write(plan.report, b"s".as_ptr().cast(), 1);
+        if let Some(report) = plan.report {
+            libc::write(report, b"s".as_ptr().cast(), 1);
+        }
         if plan.exit_now != 0 {
             return plan.exit_now;
         }
@@ -164,7 +271,7 @@ extern "C" fn command_process(arg: *mut c_void) -> c_int {
                 return stop(Stage::Cgroup);
             }
         }
-        for (target, fd) in plan.stdio.iter().enumerate() {
+        for (target, fd) in plan.stdio.iter().flatten().enumerate() {
             if libc::dup2(*fd, target as c_int) < 0 {
                 return stop(Stage::Stdio);
             }
@@ -201,14 +308,7 @@ extern "C" fn command_process(arg: *mut c_void) -> c_int {
         if libc::chdir(plan.cwd.as_ptr()) != 0 {
             return stop(Stage::Cwd);
         }
-        let mut chosen = None;
-        for (i, c) in plan.candidates.iter().enumerate() {
-            if plan.direct || libc::access(c.as_ptr(), libc::X_OK) == 0 {
-                chosen = Some(i);
-                break;
-            }
-        }
-        let Some(i) = chosen else {
+        let Some(i) = plan.choose() else {
             return stop(Stage::NotFound);
         };
         plan.tried.store(i, Ordering::Relaxed);
@@ -233,52 +333,12 @@ pub(crate) fn spawn(
     cgroups: &[BorrowedFd<'_>],
     report: RawFd,
 ) -> Result<(), String> {
-    let to_c = |s: &str| CString::new(s.as_bytes());
-    let argv0 = req.argv.first().map(String::as_str).unwrap_or_default();
-    let (direct, paths) = candidates(argv0, &req.env);
-    let strings = (
-        req.argv
-            .iter()
-            .map(|s| to_c(s))
-            .collect::<Result<Vec<_>, _>>(),
-        req.env
-            .iter()
-            .map(|s| to_c(s))
-            .collect::<Result<Vec<_>, _>>(),
-        paths.iter().map(|s| to_c(s)).collect::<Result<Vec<_>, _>>(),
-        to_c(&req.cwd),
+    let plan = Plan::new(
+        req,
+        Some(report),
+        Some(stdio.map(|f| f.as_raw_fd())),
+        cgroups,
     );
-    let refused = match &strings {
-        _ if req.argv.is_empty() => Some("empty command"),
-        (Ok(_), Ok(_), Ok(_), Ok(_)) => None,
-        _ => Some("command contains NUL"),
-    };
-    let (argv, env, cands, cwd) = match strings {
-        (Ok(a), Ok(e), Ok(c), Ok(w)) => (a, e, c, w),
-        _ => Default::default(),
-    };
-    let nul_terminated = |v: &[CString]| {
-        v.iter()
-            .map(|s| s.as_ptr())
-            .chain(std::iter::once(std::ptr::null()))
-            .collect::<Vec<_>>()
-    };
-    let plan = Plan {
-        report,
-        exit_now: if refused.is_some() { EXIT_NOT_FOUND } else { 0 },
-        cgroups: cgroups.iter().map(|f| f.as_raw_fd()).collect(),
-        stdio: stdio.map(|f| f.as_raw_fd()),
-        gid: req.gid,
-        uid: req.uid,
-        cwd,
-        direct,
-        argv: nul_terminated(&argv),
-        envp: nul_terminated(&env),
-        candidates: cands,
-        stage: AtomicI32::new(0),
-        errno: AtomicI32::new(0),
-        tried: AtomicUsize::new(0),
-    };
     // The child's stack: it makes system calls only, so 64 KiB is ample.
     let mut stack = vec![0u8; 64 << 10];
     let top = (stack.as_mut_ptr() as usize + stack.len()) & !15;
@@ -297,25 +357,22 @@ pub(crate) fn spawn(
         return Err(format!("fork in run: {}", std::io::Error::last_os_error()));
     }
     drop(stack);
-    let msg = match Stage::from_i32(plan.stage.load(Ordering::Relaxed)) {
-        Some(stage) => {
-            let tried = plan.tried.load(Ordering::Relaxed);
-            let path = paths.get(tried).map(String::as_str).unwrap_or_default();
-            Some(failure(stage, plan.errno.load(Ordering::Relaxed), req, path).1)
-        }
-        None => refused.map(str::to_string),
-    };
-    if let Some(msg) = msg {
-        say(stdio[2], &msg);
+    if let Some((_, msg)) = plan.outcome(req) {
+        crate::exec::say(stdio[2], &msg);
     }
     Ok(())
 }
 
-/// Writes `sbx: <msg>` to an exec's stderr, as the fork path does.
-pub(crate) fn say(stderr: BorrowedFd<'_>, msg: &str) {
-    let line = format!("sbx: {msg}\n");
-    // SAFETY: a write of our own buffer to a descriptor we hold.
-    unsafe { libc::write(stderr.as_raw_fd(), line.as_ptr().cast(), line.len()) };
+/// The fork path's end, in this process (its stdio installed, confined):
+/// becomes the request's user without capabilities and execs its command.
+/// Returns only on error, with the exit code, having said why on stderr.
+pub(crate) fn exec_here(req: &ExecRequest) -> i32 {
+    let plan = Plan::new(req, None, None, &[]);
+    let code = command_process(&plan as *const Plan as *mut c_void);
+    match plan.outcome(req) {
+        Some((code, msg)) => crate::exec::fail(code, &msg),
+        None => code,
+    }
 }
 
 #[cfg(test)]
@@ -347,6 +404,25 @@ mod tests {
             candidates("sh", &env),
             (false, vec!["/a/sh".to_string(), "/b/sh".to_string()])
         );
+    }
+
+    #[test]
+    fn the_first_executable_candidate_is_chosen() {
+        let mut r = req(&["/bin/sh"]);
+        assert_eq!(Plan::new(&r, None, None, &[]).choose(), Some(0));
+        r.argv = vec!["sh".into()];
+        r.env = vec!["PATH=/nonexistent:/bin".into()];
+        let plan = Plan::new(&r, None, None, &[]);
+        let chosen = plan.choose().map(|i| plan.paths[i].clone());
+        assert_eq!(chosen.as_deref(), Some("/bin/sh"));
+        r.argv = vec!["definitely-not-a-cmd-xyz".into()];
+        r.env = vec![];
+        assert_eq!(Plan::new(&r, None, None, &[]).choose(), None);
+        // Refused before anything runs, with the fork path's words.
+        r.argv = vec![];
+        let plan = Plan::new(&r, None, None, &[]);
+        assert_eq!(plan.exit_now, 127);
+        assert_eq!(plan.outcome(&r), Some((127, "empty command".to_string())));
     }
 
     #[test]
