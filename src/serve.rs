@@ -76,6 +76,7 @@ async fn run(cfg: Config, state_dir: std::path::PathBuf) -> anyhow::Result<()> {
     // Shims and exec helpers are this binary; resolve it once.
     let self_exe = std::fs::canonicalize("/proc/self/exe")?;
     let init_binary = sbx_runtime::init::install(&state_dir.join("bin"))?;
+    crate::runs::sandbox::install_skeleton(&state_dir)?;
     // Compiled once: an exec loads the program instead of building it (~1 ms).
     let seccomp = match sbx_runtime::seccomp::export_bpf() {
         Ok(prog) => {

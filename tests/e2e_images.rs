@@ -326,20 +326,21 @@ fn oci_layout(dir: &std::path::Path, layer: impl FnOnce(&mut tar::Builder<Vec<u8
 }
 
 #[test]
-fn an_image_whose_work_leads_out_of_its_root_is_refused_and_leaves_nothing() {
-    if !common::require_root(
-        "an_image_whose_work_leads_out_of_its_root_is_refused_and_leaves_nothing",
-    ) {
+fn an_image_whose_paths_lead_out_of_its_root_never_touches_the_host() {
+    if !common::require_root("an_image_whose_paths_lead_out_of_its_root_never_touches_the_host") {
         return;
     }
-    // /work -> /etc: preparing the run's /work must not touch the host's /etc.
+    // /work -> /etc and /srv -> /etc: preparing the run must not touch the
+    // host's /etc through either.
     let tmp = tempfile::tempdir().expect("tmp");
     oci_layout(tmp.path(), |b| {
-        let mut h = tar::Header::new_gnu();
-        h.set_entry_type(tar::EntryType::Symlink);
-        h.set_size(0);
-        h.set_mode(0o777);
-        b.append_link(&mut h, "work", "/etc").expect("symlink");
+        for name in ["work", "srv"] {
+            let mut h = tar::Header::new_gnu();
+            h.set_entry_type(tar::EntryType::Symlink);
+            h.set_size(0);
+            h.set_mode(0o777);
+            b.append_link(&mut h, name, "/etc").expect("symlink");
+        }
     });
     let d = Daemon::start(&[]);
     let (s, v) = d.call(
@@ -349,10 +350,53 @@ fn an_image_whose_work_leads_out_of_its_root_is_refused_and_leaves_nothing() {
     );
     assert_eq!(s, 201, "{v}");
     let etc_before = std::fs::metadata("/etc").expect("etc");
+    let etc_unchanged = || {
+        let etc_after = std::fs::metadata("/etc").expect("etc");
+        assert_eq!(
+            (etc_before.uid(), etc_before.permissions().mode()),
+            (etc_after.uid(), etc_after.permissions().mode()),
+            "the host's /etc was touched"
+        );
+    };
+
+    // /work is the run's own: a directory laid over the image's symlink,
+    // owned by the run's user; a file written there stays in the run.
     let (s, v) = d.call(
         Method::POST,
         "/v1/runs",
         Some(json!({"image": "local/evil:1"})),
+    );
+    assert_eq!(s, 201, "{v}");
+    let id = v["id"].as_str().expect("id").to_string();
+    let work = d.state.join("runs").join(&id).join("rootfs/work");
+    let meta = std::fs::symlink_metadata(&work).expect("work");
+    assert!(meta.is_dir(), "/work is not a directory: {meta:?}");
+    assert_eq!((meta.uid(), meta.gid()), (1000, 1000));
+    let probe = format!("sbx-e2e-probe-{id}");
+    let r = d
+        .req(Method::PUT, &format!("/v1/runs/{id}/files/{probe}"))
+        .body("inside")
+        .send()
+        .expect("put");
+    assert!(r.status().is_success(), "{}", r.status());
+    assert_eq!(
+        std::fs::read_to_string(work.join(&probe)).expect("probe"),
+        "inside"
+    );
+    assert!(
+        !std::path::Path::new("/etc").join(&probe).exists(),
+        "written to the host's /etc"
+    );
+    etc_unchanged();
+    let (s, v) = d.call(Method::DELETE, &format!("/v1/runs/{id}?purge=true"), None);
+    assert!(s < 300, "{s} {v}");
+
+    // A workdir through the other symlink is refused — after the shim was
+    // forked (it is, while the root is laid out) — and leaves nothing.
+    let (s, v) = d.call(
+        Method::POST,
+        "/v1/runs",
+        Some(json!({"image": "local/evil:1", "workdir": "/srv/app"})),
     );
     assert_eq!(s, 422, "{v}");
     assert!(
@@ -361,14 +405,11 @@ fn an_image_whose_work_leads_out_of_its_root_is_refused_and_leaves_nothing() {
             .is_some_and(|m| m.contains("root cannot be used")),
         "{v}"
     );
-    let etc_after = std::fs::metadata("/etc").expect("etc");
-    assert_eq!(
-        (etc_before.uid(), etc_before.permissions().mode()),
-        (etc_after.uid(), etc_after.permissions().mode()),
-        "the host's /etc was touched"
+    etc_unchanged();
+    assert!(
+        !std::path::Path::new("/etc/app").exists(),
+        "made in the host's /etc"
     );
-    // The shim was already started (it reads the bundle while the root is
-    // finished): it must be gone with everything else of the run.
     let (_, list) = d.call(Method::GET, "/v1/runs", None);
     let failed: Vec<String> = list["runs"]
         .as_array()

@@ -214,9 +214,8 @@ fn shim_main(run_dir: PathBuf, id: &str, go: Option<OwnedFd>) -> i32 {
             return 1;
         }
     };
-    let facts = read_facts(&paths.bundle());
-    // The daemon finishes the run's root meanwhile; `g` when it is done.
-    // Anything else (the pipe closed) means the create was given up.
+    // The daemon lays out the run's root and bundle meanwhile; `g` when it
+    // is done. Anything else (the pipe closed) means the create was given up.
     if let Some(go) = go {
         let mut b = [0u8; 1];
         if !matches!(nix::unistd::read(std::os::fd::AsRawFd::as_raw_fd(&go), &mut b), Ok(1) if b[0] == b'g')
@@ -224,6 +223,7 @@ fn shim_main(run_dir: PathBuf, id: &str, go: Option<OwnedFd>) -> i32 {
             return 1;
         }
     }
+    let facts = read_facts(&paths.bundle());
     let state = match create(&paths, id, &facts) {
         Ok(s) => s,
         Err(e) => {

@@ -126,9 +126,10 @@ impl ShimZygote {
     }
 
     /// Has the zygote fork a shim for the run in `dir`; returns the pipe the
-    /// shim answers `ready <state>` or `error <why>` on. The shim reads the
-    /// bundle, then waits for a byte on `go` before it creates the run, so
-    /// the daemon can finish the root meanwhile (a closed `go` gives up).
+    /// shim answers `ready <state>` or `error <why>` on. The shim sets
+    /// itself up, then waits for a byte on `go` before it reads the bundle
+    /// and creates the run, so the daemon can lay out the root and bundle
+    /// meanwhile (a closed `go` gives up).
     pub async fn fork_shim(
         &self,
         dir: &Path,
@@ -182,6 +183,37 @@ impl Host {
     pub fn cgroup(&self, id: &str) -> String {
         format!("{}/{id}", self.cgroup_parent)
     }
+    /// The layer laid over every image (see [`install_skeleton`]).
+    pub fn skeleton(&self) -> PathBuf {
+        self.state_dir.join(SKELETON_DIR)
+    }
+}
+
+const SKELETON_DIR: &str = "skeleton";
+
+/// The mount points every image root needs, with their modes.
+const MOUNT_POINTS: [(&str, u32); 5] = [
+    ("proc", 0o555),
+    ("dev", 0o755),
+    ("sys", 0o555),
+    ("tmp", 0o1777),
+    (".sbx", 0o755),
+];
+
+/// Makes (or repairs) `<state>/skeleton`: the mount points every run's
+/// root needs, as the topmost, read-only layer of every image root — as
+/// Docker's init layer does — so a create makes none of them. A directory
+/// here hides a file or symlink an image has at that path. Left in place
+/// across restarts: live runs' roots are mounted over it.
+pub fn install_skeleton(state_dir: &Path) -> std::io::Result<PathBuf> {
+    let dir = state_dir.join(SKELETON_DIR);
+    for (name, mode) in MOUNT_POINTS {
+        let d = dir.join(name);
+        std::fs::create_dir_all(&d)?;
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(mode))?;
+    }
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755))?;
+    Ok(dir)
 }
 
 /// The root of a run: the `host` image, or an overlay of image layers.
@@ -248,10 +280,13 @@ fn prepare(
             let names = serde_json::to_vec(layers).map_err(|e| err(e.into()))?;
             sbx_runtime::write_atomic(&paths.dir.join(crate::imagesvc::RUN_LAYERS_FILE), &names)
                 .map_err(err)?;
-            std::fs::create_dir_all(paths.upper()).map_err(err)?;
             std::fs::create_dir_all(paths.overlay_work()).map_err(err)?;
+            seed_upper(&paths.upper(), id, plan).map_err(err)?;
+            let mut lowers = Vec::with_capacity(layers.len() + 1);
+            lowers.push(host.skeleton());
+            lowers.extend(layers.iter().cloned());
             let api =
-                sbx_images::overlay::mount(layers, &paths.upper(), &paths.overlay_work(), &rootfs)
+                sbx_images::overlay::mount(&lowers, &paths.upper(), &paths.overlay_work(), &rootfs)
                     .map_err(SandboxError::Mount)?;
             tracing::debug!(run = id, layers = layers.len(), ?api, "overlay mounted");
         }
@@ -276,10 +311,30 @@ fn prepare(
     })
 }
 
-/// The rest of the run's root, written while the shim reads its bundle:
-/// mount points and `/etc/hostname` in an image's root, `/work` owned by the
-/// run's user, `/etc/resolv.conf`. Blocking; each write is confined to the
-/// root (no symlink of the image's is followed out of it).
+/// What an image root gets in its (still empty) upper directory before
+/// the overlay is mounted: `/etc/hostname`, `/etc/resolv.conf` and `/work`
+/// owned by the run's user. Written there, they are plain files of a fresh
+/// directory of ours — no path of the image's is walked, nothing is copied
+/// up — and they lie over whatever the image has at those paths.
+fn seed_upper(upper: &Path, id: &str, plan: &CreatePlan) -> std::io::Result<()> {
+    let etc = upper.join("etc");
+    std::fs::create_dir_all(&etc)?;
+    let resolv = crate::network::Network::resolv_conf(super::model::tier_of(&plan.network));
+    for (name, body) in [("hostname", format!("{id}\n")), ("resolv.conf", resolv)] {
+        std::fs::write(etc.join(name), body)?;
+        std::fs::set_permissions(etc.join(name), std::fs::Permissions::from_mode(0o644))?;
+    }
+    let work = upper.join("work");
+    std::fs::create_dir(&work)?;
+    std::fs::set_permissions(&work, std::fs::Permissions::from_mode(0o755))?;
+    std::os::unix::fs::chown(&work, Some(plan.uid), Some(plan.gid))
+}
+
+/// The rest of the run's root, once mounted: a workdir other than `/work`
+/// owned by the run's user; for `host`, `/work` and `/etc/resolv.conf`
+/// (an image root got those in its upper directory, see [`seed_upper`]).
+/// Blocking; each write is confined to the root (no symlink of the
+/// image's is followed out of it).
 fn finish_root(
     host: &Host,
     id: &str,
@@ -288,17 +343,11 @@ fn finish_root(
 ) -> Result<(), SandboxError> {
     let rootfs = host.paths(id).rootfs();
     if layered {
-        for (d, mode) in [
-            ("proc", 0o555),
-            ("dev", 0o755),
-            ("sys", 0o555),
-            ("tmp", 0o1777),
-            (".sbx", 0o755),
-        ] {
-            super::files::ensure_dir(&rootfs, d, mode, None).map_err(image_err)?;
+        if super::files::components(&plan.workdir).map_err(image_err)? != ["work"] {
+            super::files::ensure_dir(&rootfs, &plan.workdir, 0o755, Some((plan.uid, plan.gid)))
+                .map_err(image_err)?;
         }
-        super::files::write_root_file(&rootfs, "etc/hostname", format!("{id}\n").as_bytes(), 0o644)
-            .map_err(image_err)?;
+        return Ok(());
     }
     chown_work(&rootfs, &plan.workdir, plan.uid, plan.gid).map_err(image_err)?;
     let resolv = crate::network::Network::resolv_conf(super::model::tier_of(&plan.network));
@@ -346,17 +395,15 @@ async fn create_inner(
         Root::Layers { env, .. } => env.clone(),
     };
     let layered = matches!(root, Root::Layers { .. });
-    let (h, i, p) = (host.clone(), id.to_string(), plan.clone());
-    let t0 = std::time::Instant::now();
-    let spec = tokio::task::spawn_blocking(move || prepare(&h, &i, &p, &root, netns))
-        .await
-        .map_err(|e| SandboxError::Shim(e.to_string()))??;
     let paths = host.paths(id);
-    let t_prepare = t0.elapsed();
-    spec::write_bundle(&paths.bundle(), &spec).map_err(SandboxError::Bundle)?;
-    let t_bundle = t0.elapsed();
-    // The shim starts (fork, its setup, reading the bundle) while the rest
-    // of the root is written; it creates the run once told `go`.
+    let t0 = std::time::Instant::now();
+    // The run directory first: the shim is forked into it (its cwd names
+    // the run) and sets itself up while the root and bundle are laid out;
+    // it creates the run once told `go`.
+    std::fs::create_dir_all(&paths.dir).map_err(|source| SandboxError::Rootfs {
+        path: paths.dir.clone(),
+        source,
+    })?;
     let (go_r, go_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
         .map_err(|e| SandboxError::Spawn(e.into()))?;
     let stdout = host
@@ -364,10 +411,16 @@ async fn create_inner(
         .fork_shim(&paths.dir, id, go_r)
         .await
         .map_err(SandboxError::Spawn)?;
+    let t_forked = t0.elapsed();
     let (h, i, p) = (host.clone(), id.to_string(), plan.clone());
-    tokio::task::spawn_blocking(move || finish_root(&h, &i, &p, layered))
-        .await
-        .map_err(|e| SandboxError::Shim(e.to_string()))??;
+    tokio::task::spawn_blocking(move || {
+        let spec = prepare(&h, &i, &p, &root, netns)?;
+        spec::write_bundle(&h.paths(&i).bundle(), &spec).map_err(SandboxError::Bundle)?;
+        finish_root(&h, &i, &p, layered)
+    })
+    .await
+    .map_err(|e| SandboxError::Shim(e.to_string()))??;
+    let t_root = t0.elapsed();
     // (On an error above the pipe closes unwritten and the shim leaves.)
     nix::unistd::write(&go_w, b"g").map_err(|e| SandboxError::Spawn(e.into()))?;
     drop(go_w);
@@ -390,8 +443,8 @@ async fn create_inner(
         .ok_or_else(|| SandboxError::Shim(format!("malformed answer {:?}", line.trim_end())))?;
     tracing::debug!(
         run = id,
-        prepare_us = t_prepare.as_micros() as u64,
-        bundle_us = t_bundle.as_micros() as u64,
+        forked_us = t_forked.as_micros() as u64,
+        root_us = t_root.as_micros() as u64,
         shim_ready_us = t0.elapsed().as_micros() as u64,
         "sandbox created"
     );
@@ -551,5 +604,70 @@ mod tests {
         // Anything else is no state: the create fails, naming the line.
         assert!(ready_state("ready 42\n").is_none());
         assert!(ready_state("error nope\n").is_none());
+    }
+
+    #[test]
+    fn the_skeleton_has_every_mount_point_with_its_mode_and_survives_a_reinstall() {
+        let d = tempfile::tempdir().expect("tmp");
+        let dir = install_skeleton(d.path()).expect("install");
+        // A restart finds it there, modes changed meanwhile: it is repaired.
+        std::fs::set_permissions(dir.join("tmp"), std::fs::Permissions::from_mode(0o700))
+            .expect("chmod");
+        assert_eq!(install_skeleton(d.path()).expect("again"), dir);
+        let mut names: Vec<String> = std::fs::read_dir(&dir)
+            .expect("read")
+            .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        assert_eq!(names, [".sbx", "dev", "proc", "sys", "tmp"]);
+        for (name, mode) in MOUNT_POINTS {
+            let m = std::fs::metadata(dir.join(name)).expect("meta");
+            assert!(m.is_dir());
+            assert_eq!(m.permissions().mode() & 0o7777, mode, "{name}");
+        }
+    }
+
+    #[test]
+    fn the_upper_directory_is_seeded_with_hostname_resolver_and_work() {
+        use std::os::unix::fs::MetadataExt;
+        let d = tempfile::tempdir().expect("tmp");
+        let upper = d.path().join("upper");
+        std::fs::create_dir(&upper).expect("upper");
+        let plan = CreatePlan {
+            image: "x".into(),
+            template: None,
+            env: Vec::new(),
+            ttl_secs: 60,
+            network: "none".into(),
+            egress_allow: Vec::new(),
+            limits: sbx_runtime::Limits {
+                cpu_millis: 1000,
+                memory_bytes: 1 << 30,
+                pids: 256,
+            },
+            labels: Default::default(),
+            // Whoever runs the test: chown to anyone else needs root.
+            uid: nix::unistd::getuid().as_raw(),
+            gid: nix::unistd::getgid().as_raw(),
+            workdir: "/work".into(),
+        };
+        seed_upper(&upper, "01RUN", &plan).expect("seed");
+        let hostname = upper.join("etc/hostname");
+        assert_eq!(
+            std::fs::read_to_string(&hostname).expect("hostname"),
+            "01RUN\n"
+        );
+        let resolv = std::fs::read_to_string(upper.join("etc/resolv.conf")).expect("resolv");
+        assert_eq!(resolv, crate::network::Network::resolv_conf(None));
+        for f in [hostname, upper.join("etc/resolv.conf")] {
+            assert_eq!(
+                std::fs::metadata(&f).expect("meta").permissions().mode() & 0o777,
+                0o644
+            );
+        }
+        let work = std::fs::metadata(upper.join("work")).expect("work");
+        assert!(work.is_dir());
+        assert_eq!(work.permissions().mode() & 0o777, 0o755);
+        assert_eq!((work.uid(), work.gid()), (plan.uid, plan.gid));
     }
 }
