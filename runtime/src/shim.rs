@@ -17,6 +17,7 @@ use std::os::fd::OwnedFd;
 use std::path::PathBuf;
 
 use libcontainer::container::builder::ContainerBuilder;
+use libcontainer::notify_socket::{NotifySocket, NOTIFY_FILE};
 use libcontainer::syscall::syscall::SyscallType;
 use std::os::fd::AsFd;
 
@@ -75,7 +76,7 @@ fn create(
     facts: &crate::spec::RenderedFacts,
 ) -> Result<ShimState, ShimError> {
     nix::sys::prctl::set_child_subreaper(true).map_err(ShimError::Subreaper)?;
-    let mut container = ContainerBuilder::new(id.to_string(), SyscallType::Linux)
+    let container = ContainerBuilder::new(id.to_string(), SyscallType::Linux)
         .with_root_path(paths.container_root())
         .map_err(ShimError::Create)?
         .with_stdin(dev_null()?)
@@ -92,7 +93,14 @@ fn create(
     if !facts.joins_network_namespace {
         sbx_netns::loopback_up_in(init.as_raw()).map_err(ShimError::Loopback)?;
     }
-    container.start().map_err(ShimError::Start)?;
+    // The init waits on libcontainer's notify socket: tell it to go.
+    // `Container::start` would first re-read the init's stat and the saved
+    // config, and after rewrite state.json as running — bookkeeping sbx
+    // never reads (it keeps its own state, and its specs have no hooks) —
+    // with the init waiting or the ready line behind it.
+    NotifySocket::new(container.root.join(NOTIFY_FILE))
+        .notify_container_start()
+        .map_err(|e| ShimError::Start(e.into()))?;
     let me = std::process::id() as i32;
     Ok(ShimState {
         shim_pid: me,
