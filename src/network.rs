@@ -65,6 +65,9 @@ struct Pool {
 /// Ready slots kept per tier once the tier has been used.
 pub const POOL_SIZE: usize = 2;
 
+/// See [`Network::created`].
+const TOP_UP_DELAY: std::time::Duration = std::time::Duration::from_millis(50);
+
 /// The tiers' plan is fixed at start; the bridges and tables are made on
 /// first use, so a daemon that only ever runs `none` touches no link.
 pub struct Network {
@@ -83,6 +86,9 @@ pub struct Network {
     /// [`Network::take_loopback_only`]). Never held across an await.
     loners: std::sync::Mutex<Vec<std::path::PathBuf>>,
     refilling_loners: std::sync::atomic::AtomicBool,
+    /// Set once the pool is drained at shutdown: a top-up still on its way
+    /// (see [`Network::created`]) then adds nothing.
+    draining: std::sync::atomic::AtomicBool,
 }
 
 struct Live {
@@ -152,6 +158,7 @@ impl Network {
             pool: std::sync::Mutex::new(Pool::default()),
             loners: std::sync::Mutex::new(Vec::new()),
             refilling_loners: std::sync::atomic::AtomicBool::new(false),
+            draining: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -324,12 +331,17 @@ impl Network {
         tokio::spawn(async move { me.refill(tier).await });
     }
 
+    fn draining(&self) -> bool {
+        self.draining.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     async fn refill(&self, tier: Tier) {
         loop {
-            if self.pool().ready.get(&tier).map_or(0, Vec::len) >= POOL_SIZE {
+            if self.draining() || self.pool().ready.get(&tier).map_or(0, Vec::len) >= POOL_SIZE {
                 return;
             }
             match self.build_slot(tier).await {
+                Ok(s) if self.draining() => return self.release_slot(&s.name, s.ip).await,
                 Ok(s) => self.pool().ready.entry(tier).or_default().push(s),
                 Err(e) => {
                     tracing::warn!(error = %format!("{:#}", anyhow::Error::from(e)), "refill network pool");
@@ -514,6 +526,8 @@ impl Network {
 
     /// Drops the ready slots (shutdown with every run stopped).
     pub async fn drain_pool(&self) {
+        self.draining
+            .store(true, std::sync::atomic::Ordering::Release);
         let slots: Vec<Slot> = self.pool().ready.drain().flat_map(|(_, v)| v).collect();
         for s in slots {
             self.release_slot(&s.name, s.ip).await;
@@ -541,19 +555,32 @@ impl Network {
         self.loners().pop()
     }
 
-    /// A run that took from a pool is up (or failed): tops the pool up in
-    /// the background, and drops the pin of a loopback-only namespace it
-    /// took (`tier` None: a `none` run).
+    /// A run that took from a pool is up (or failed): drops the pin of a
+    /// loopback-only namespace it took (`tier` None: a `none` run) and tops
+    /// the pool up in the background — at once if the pool is empty, else
+    /// after [`TOP_UP_DELAY`]: a run's first exec usually follows its create
+    /// at once, and making a namespace (~0.6 ms of CPU, most of it in
+    /// `unshare`) competed with it and with the create's reply.
     pub fn created(self: &Arc<Self>, tier: Option<Tier>, loner: Option<std::path::PathBuf>) {
-        match tier {
-            Some(t) => self.refill_soon(t),
-            None => {
-                if let Some(p) = loner {
-                    self.unpin_soon(p);
-                }
-                self.refill_loopback_only_soon();
-            }
+        if let Some(p) = loner {
+            self.unpin_soon(p);
         }
+        let spare = match tier {
+            Some(t) => self.pool().ready.get(&t).is_some_and(|v| !v.is_empty()),
+            None => !self.loners().is_empty(),
+        };
+        let me = self.clone();
+        let top_up = move || match tier {
+            Some(t) => me.refill_soon(t),
+            None => me.refill_loopback_only_soon(),
+        };
+        if !spare {
+            return top_up();
+        }
+        tokio::spawn(async move {
+            tokio::time::sleep(TOP_UP_DELAY).await;
+            top_up();
+        });
     }
 
     /// Drops a taken namespace's pin, in the background.
@@ -573,7 +600,7 @@ impl Network {
         }
         let me = self.clone();
         tokio::spawn(async move {
-            while me.loners().len() < POOL_SIZE {
+            while !me.draining() && me.loners().len() < POOL_SIZE {
                 let path = {
                     let mut pool = me.pool();
                     pool.counter += 1;
@@ -589,6 +616,11 @@ impl Network {
                 })
                 .await;
                 match made {
+                    Ok(Ok(())) if me.draining() => {
+                        let _ =
+                            tokio::task::spawn_blocking(move || sbx_netns::remove_pinned(&path))
+                                .await;
+                    }
                     Ok(Ok(())) => me.loners().push(path),
                     Ok(Err(e)) => {
                         tracing::warn!(error = %format!("{:#}", anyhow::Error::from(e)), "refill loopback-only namespaces");
