@@ -164,6 +164,9 @@ struct Entry {
     lease: crate::leases::LeaseState,
     /// The run's egress proxy task (allowlist tier).
     proxy: Option<tokio::task::JoinHandle<()>>,
+    /// Why the create's first record failed: the create is then undone
+    /// when it reports back (see `Cmd::Created`).
+    unrecorded: Option<RunError>,
 }
 
 pub fn now_ms() -> i64 {
@@ -430,18 +433,15 @@ impl Registry {
                         in_flight: 0,
                         lease: Default::default(),
                         proxy: None,
+                        unrecorded: None,
                     },
                 );
                 let sealed = self.sealer.seal(&env_json);
-                if let Err(e) = self.persist(&id, Some(sealed), "") {
-                    self.runs.remove(&id);
-                    let _ = reply.send(Err(e));
-                    return;
-                }
                 let host = self.host.clone();
                 let images = self.images.clone();
                 let net = self.net.clone().ok();
                 let tx = self.tx.clone();
+                let run_id = id.clone();
                 tokio::spawn(async move {
                     let result = async {
                         let root = images
@@ -514,8 +514,36 @@ impl Registry {
                     .await;
                     let _ = tx.send(Cmd::Created(id, result, reply)).await;
                 });
+                // Recorded while the task above lays the run out: its reply
+                // comes through `Created`, after this.
+                if let Err(e) = self.persist(&run_id, Some(sealed), "") {
+                    if let Some(en) = self.runs.get_mut(&run_id) {
+                        en.unrecorded = Some(e);
+                    }
+                }
             }
             Cmd::Created(id, result, reply) => {
+                let unrecorded = self.runs.get_mut(&id).and_then(|e| e.unrecorded.take());
+                if let Some(why) = unrecorded {
+                    // Not in the database: whatever the create made goes.
+                    match result {
+                        Ok(started) => {
+                            let mut started = *started;
+                            if let Some(p) = started.proxy.take() {
+                                p.abort();
+                            }
+                            if let Some(e) = self.runs.get_mut(&id) {
+                                e.rec.net = started.net.take();
+                            }
+                            self.spawn_destroy(id, false, None);
+                        }
+                        Err(_) => {
+                            self.runs.remove(&id);
+                        }
+                    }
+                    let _ = reply.send(Err(why));
+                    return;
+                }
                 let status = self.runs.get(&id).map(|e| e.rec.status);
                 match (result, status) {
                     (Ok(started), Some(Status::Creating)) => {
@@ -864,6 +892,7 @@ impl Registry {
                     in_flight: 0,
                     lease,
                     proxy: None,
+                    unrecorded: None,
                 },
             );
             if live {
