@@ -1,9 +1,11 @@
+use std::fs::{self, File};
+use std::io::Write;
 use std::path::Path;
 
 use oci_spec::runtime::LinuxDeviceCgroup;
 
 use super::controller::Controller;
-use crate::common::{self, ControllerOpt, WrappedIoError, default_allow_devices, default_devices};
+use crate::common::{ControllerOpt, WrappedIoError, default_allow_devices, default_devices};
 
 pub struct Devices {}
 
@@ -14,22 +16,13 @@ impl Controller for Devices {
     fn apply(controller_opt: &ControllerOpt, cgroup_root: &Path) -> Result<(), Self::Error> {
         tracing::debug!("Apply Devices cgroup config");
 
-        if let Some(devices) = controller_opt.resources.devices().as_ref() {
-            for d in devices {
-                Self::apply_device(d, cgroup_root)?;
-            }
-        }
-
-        for d in [
+        let defaults: Vec<LinuxDeviceCgroup> = [
             default_devices().iter().map(|d| d.into()).collect(),
             default_allow_devices(),
         ]
-        .concat()
-        {
-            Self::apply_device(&d, cgroup_root)?;
-        }
-
-        Ok(())
+        .concat();
+        let spec = controller_opt.resources.devices().as_deref().unwrap_or_default();
+        Self::apply_all(spec.iter().chain(defaults.iter()), cgroup_root)
     }
 
     // always needs to be called due to default devices
@@ -39,16 +32,57 @@ impl Controller for Devices {
 }
 
 impl Devices {
+    #[cfg(test)]
     fn apply_device(device: &LinuxDeviceCgroup, cgroup_root: &Path) -> Result<(), WrappedIoError> {
-        let path = if device.allow() {
-            cgroup_root.join("devices.allow")
-        } else {
-            cgroup_root.join("devices.deny")
-        };
+        Self::apply_all(std::iter::once(device), cgroup_root)
+    }
 
-        common::write_cgroup_file_str(path, &device.to_string())?;
+    /// (sbx) Writes `rules` in order through one descriptor per file — the
+    /// kernel takes one rule per write — instead of opening the file once
+    /// per rule, and skips an allow rule already written since the last
+    /// deny (the defaults repeat most of a spec's list).
+    fn apply_all<'a>(
+        rules: impl Iterator<Item = &'a LinuxDeviceCgroup>,
+        cgroup_root: &Path,
+    ) -> Result<(), WrappedIoError> {
+        let (mut allow, mut deny) = (None, None);
+        let mut allowed: Vec<String> = Vec::new();
+        for device in rules {
+            let line = device.to_string();
+            if device.allow() {
+                if allowed.contains(&line) {
+                    continue;
+                }
+                write_rule(&mut allow, &cgroup_root.join("devices.allow"), &line)?;
+                allowed.push(line);
+            } else {
+                write_rule(&mut deny, &cgroup_root.join("devices.deny"), &line)?;
+                allowed.clear();
+            }
+        }
         Ok(())
     }
+}
+
+fn write_rule(file: &mut Option<File>, path: &Path, rule: &str) -> Result<(), WrappedIoError> {
+    let f = match file {
+        Some(f) => f,
+        None => file.insert(
+            fs::OpenOptions::new()
+                .write(true)
+                .open(path)
+                .map_err(|err| WrappedIoError::Open {
+                    err,
+                    path: path.to_path_buf(),
+                })?,
+        ),
+    };
+    f.write_all(rule.as_bytes())
+        .map_err(|err| WrappedIoError::Write {
+            err,
+            path: path.to_path_buf(),
+            data: rule.into(),
+        })
 }
 
 #[cfg(test)]
@@ -84,6 +118,43 @@ mod tests {
                 assert_eq!(denied_content, d.to_string());
             }
         });
+    }
+
+    #[test]
+    fn rules_go_in_order_through_one_descriptor_without_repeats_since_a_deny() {
+        let tmp = tempfile::tempdir().unwrap();
+        set_fixture(tmp.path(), "devices.allow", "").expect("allow");
+        set_fixture(tmp.path(), "devices.deny", "").expect("deny");
+        let rule = |allow: bool, major: i64| {
+            LinuxDeviceCgroupBuilder::default()
+                .allow(allow)
+                .typ(LinuxDeviceType::C)
+                .major(major)
+                .minor(3)
+                .access("rwm")
+                .build()
+                .unwrap()
+        };
+        let rules = [
+            rule(true, 1),
+            rule(true, 5),
+            rule(true, 1),
+            rule(false, 1),
+            rule(true, 1),
+            rule(true, 5),
+            rule(true, 5),
+        ];
+        Devices::apply_all(rules.iter(), tmp.path()).expect("apply");
+        // A fixture is a plain file: the writes through one descriptor
+        // follow each other.
+        assert_eq!(
+            read_to_string(tmp.path().join("devices.allow")).unwrap(),
+            "c 1:3 rwmc 5:3 rwmc 1:3 rwmc 5:3 rwm"
+        );
+        assert_eq!(
+            read_to_string(tmp.path().join("devices.deny")).unwrap(),
+            "c 1:3 rwm"
+        );
     }
 
     #[test]
