@@ -85,21 +85,28 @@ struct Standby {
 }
 
 impl ExecServer {
-    /// Binds the socket, and moves the shim's future children into the
-    /// run's pid namespace (so each exec needs one fork, not two).
+    /// Binds the run's exec socket (0600): done while the daemon lays the
+    /// run out, before the run exists. Nothing connects before `ready`.
+    pub fn listen(paths: &RunPaths) -> io::Result<UnixListener> {
+        let path = paths.exec_socket();
+        let _ = std::fs::remove_file(&path);
+        let listener = UnixListener::bind(&path)?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+        listener.set_nonblocking(true)?;
+        Ok(listener)
+    }
+
+    /// Serves execs on `listener` (see [`ExecServer::listen`]), and moves
+    /// the shim's future children into the run's pid namespace (so each
+    /// exec needs one fork, not two).
     pub fn bind(
-        paths: &RunPaths,
+        listener: UnixListener,
         init_pid: i32,
         facts: &crate::spec::RenderedFacts,
     ) -> io::Result<ExecServer> {
         let init = crate::exec::pidfd_open(init_pid)?;
         setns(init.as_fd(), CloneFlags::CLONE_NEWPID).map_err(io::Error::from)?;
         let layout = Layout::detect_once().map_err(io::Error::other)?;
-        let path = paths.exec_socket();
-        let _ = std::fs::remove_file(&path);
-        let listener = UnixListener::bind(&path)?;
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
-        listener.set_nonblocking(true)?;
         Ok(ExecServer {
             listener,
             layout,

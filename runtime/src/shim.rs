@@ -222,6 +222,9 @@ fn shim_main(run_dir: PathBuf, id: &str, go: Option<OwnedFd>) -> i32 {
             return 1;
         }
     };
+    let listener = ExecServer::listen(&paths)
+        .map_err(|e| eprintln!("sbx shim: exec socket: {e}"))
+        .ok();
     // The daemon lays out the run's root and bundle meanwhile; `g` when it
     // is done. Anything else (the pipe closed) means the create was given up.
     if let Some(go) = go {
@@ -246,14 +249,15 @@ fn shim_main(run_dir: PathBuf, id: &str, go: Option<OwnedFd>) -> i32 {
             return 1;
         }
     };
-    // Bound before "ready", so the daemon can use it for the first exec. A
-    // run without it still works through `sbx exec-helper`.
-    let mut execs = match ExecServer::bind(&paths, state.init_pid, &facts) {
-        Ok(s) => Some(s),
-        Err(e) => {
+    // Serving before "ready", so the daemon can use it for the first exec.
+    // A run without it still works through `sbx exec-helper`.
+    let mut execs = match listener.map(|l| ExecServer::bind(l, state.init_pid, &facts)) {
+        Some(Ok(s)) => Some(s),
+        Some(Err(e)) => {
             eprintln!("sbx shim: exec server: {e}");
             None
         }
+        None => None,
     };
     // The state goes with "ready" (the daemon keeps it in its database);
     // the file is written after, off the create's path (an ext4 create
