@@ -63,17 +63,19 @@ impl Store {
         event: Option<(&str, i64)>,
     ) -> Result<(), StoreError> {
         let tx = self.conn.transaction()?;
-        tx.execute(
+        // Cached: a run is written twice per create; parsing the SQL each
+        // time was a good part of the write.
+        tx.prepare_cached(
             "INSERT INTO runs (id, status, record, env) VALUES (?1, ?2, ?3, ?4)
              ON CONFLICT(id) DO UPDATE SET status = ?2, record = ?3,
                env = COALESCE(?4, runs.env)",
-            params![id, status, record.to_string(), env_sealed],
-        )?;
+        )?
+        .execute(params![id, status, record.to_string(), env_sealed])?;
         if let Some((message, at_ms)) = event {
-            tx.execute(
+            tx.prepare_cached(
                 "INSERT INTO run_events (run_id, status, at_ms, message) VALUES (?1, ?2, ?3, ?4)",
-                params![id, status, at_ms, message],
-            )?;
+            )?
+            .execute(params![id, status, at_ms, message])?;
         }
         tx.commit()?;
         Ok(())

@@ -89,9 +89,12 @@ pub struct ListFilter {
 
 pub(crate) enum Cmd {
     Create(Box<CreatePlan>, oneshot::Sender<Result<Value, RunError>>),
+    /// A create ended: its outcome, and whether its first record was
+    /// written (see `Cmd::Create`).
     Created(
         String,
         Result<Box<Started>, (u16, String)>,
+        Result<(), RunError>,
         oneshot::Sender<Result<Value, RunError>>,
     ),
     Get(String, oneshot::Sender<Result<Value, RunError>>),
@@ -164,9 +167,28 @@ struct Entry {
     lease: crate::leases::LeaseState,
     /// The run's egress proxy task (allowlist tier).
     proxy: Option<tokio::task::JoinHandle<()>>,
-    /// Why the create's first record failed: the create is then undone
-    /// when it reports back (see `Cmd::Created`).
-    unrecorded: Option<RunError>,
+}
+
+fn db(store: &std::sync::Mutex<Store>) -> std::sync::MutexGuard<'_, Store> {
+    store.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn write_record(
+    db: &mut Store,
+    id: &str,
+    status: Status,
+    record: &Value,
+    sealed_env: Option<&[u8]>,
+    event: &str,
+) -> Result<(), RunError> {
+    db.put_run(
+        id,
+        status.as_str(),
+        record,
+        sealed_env,
+        Some((event, now_ms())),
+    )
+    .map_err(|e| RunError::Internal(format!("{:#}", anyhow::Error::from(e))))
 }
 
 pub fn now_ms() -> i64 {
@@ -189,7 +211,9 @@ pub fn rfc3339(ms: i64) -> String {
 struct Registry {
     host: Arc<Host>,
     server: String,
-    store: Store,
+    /// Shared with a create's task, which writes the run's first record
+    /// while it lays the run out (see `Cmd::Create`).
+    store: Arc<std::sync::Mutex<Store>>,
     sealer: Sealer,
     runs: HashMap<String, Entry>,
     tx: mpsc::Sender<Cmd>,
@@ -246,32 +270,52 @@ impl Registry {
         v
     }
 
+    fn db(&self) -> std::sync::MutexGuard<'_, Store> {
+        db(&self.store)
+    }
+
+    /// What the database keeps of run `id`: its status and record.
+    fn record_of(&self, id: &str) -> Option<Result<(Status, Value), RunError>> {
+        let e = self.runs.get(id)?;
+        let rec = match serde_json::to_value(&e.rec) {
+            Ok(r) => r,
+            Err(err) => return Some(Err(RunError::Internal(err.to_string()))),
+        };
+        let mut record = json!({"rec": rec, "lease": e.lease});
+        if let Some(s) = e.shim {
+            record["shim"] = serde_json::to_value(s).unwrap_or(Value::Null);
+        }
+        Some(Ok((e.rec.status, record)))
+    }
+
+    /// Writes run `id`'s state again without a history event.
+    fn rewrite(&mut self, id: &str) {
+        let Some(Ok((status, record))) = self.record_of(id) else {
+            return;
+        };
+        let mut db = self.db();
+        if let Err(e) = db.put_run(id, status.as_str(), &record, None, None) {
+            tracing::error!(run = %id, error = %e, "record the run");
+        }
+        if !status.is_live() {
+            let _ = db.drop_env(id);
+        }
+    }
+
     fn persist(
         &mut self,
         id: &str,
         sealed_env: Option<Vec<u8>>,
         event: &str,
     ) -> Result<(), RunError> {
-        let Some(e) = self.runs.get(id) else {
+        let Some(found) = self.record_of(id) else {
             return Ok(());
         };
-        let rec = serde_json::to_value(&e.rec).map_err(|e| RunError::Internal(e.to_string()))?;
-        let mut record = json!({"rec": rec, "lease": e.lease});
-        if let Some(s) = e.shim {
-            record["shim"] = serde_json::to_value(s).unwrap_or(Value::Null);
-        }
-        let status = e.rec.status.as_str();
-        self.store
-            .put_run(
-                id,
-                status,
-                &record,
-                sealed_env.as_deref(),
-                Some((event, now_ms())),
-            )
-            .map_err(|e| RunError::Internal(format!("{:#}", anyhow::Error::from(e))))?;
-        if !e.rec.status.is_live() {
-            let _ = self.store.drop_env(id);
+        let (status, record) = found?;
+        let mut db = self.db();
+        write_record(&mut db, id, status, &record, sealed_env.as_deref(), event)?;
+        if !status.is_live() {
+            let _ = db.drop_env(id);
         }
         Ok(())
     }
@@ -433,16 +477,32 @@ impl Registry {
                         in_flight: 0,
                         lease: Default::default(),
                         proxy: None,
-                        unrecorded: None,
                     },
                 );
                 let sealed = self.sealer.seal(&env_json);
+                // The first record is written by the create's task, on a
+                // blocking thread, while it lays the run out; the reply
+                // waits for it (see `Created`).
+                let first = match self.record_of(&id) {
+                    Some(Ok(r)) => r,
+                    Some(Err(e)) => {
+                        self.runs.remove(&id);
+                        let _ = reply.send(Err(e));
+                        return;
+                    }
+                    None => return,
+                };
+                let store = self.store.clone();
                 let host = self.host.clone();
                 let images = self.images.clone();
                 let net = self.net.clone().ok();
                 let tx = self.tx.clone();
-                let run_id = id.clone();
                 tokio::spawn(async move {
+                    let rid = id.clone();
+                    let recorded = tokio::task::spawn_blocking(move || {
+                        let (status, record) = first;
+                        write_record(&mut db(&store), &rid, status, &record, Some(&sealed), "")
+                    });
                     let result = async {
                         let root = images
                             .root_for(&plan.image)
@@ -512,19 +572,14 @@ impl Registry {
                         Ok(started)
                     }
                     .await;
-                    let _ = tx.send(Cmd::Created(id, result, reply)).await;
+                    let recorded = recorded
+                        .await
+                        .unwrap_or_else(|e| Err(RunError::Internal(e.to_string())));
+                    let _ = tx.send(Cmd::Created(id, result, recorded, reply)).await;
                 });
-                // Recorded while the task above lays the run out: its reply
-                // comes through `Created`, after this.
-                if let Err(e) = self.persist(&run_id, Some(sealed), "") {
-                    if let Some(en) = self.runs.get_mut(&run_id) {
-                        en.unrecorded = Some(e);
-                    }
-                }
             }
-            Cmd::Created(id, result, reply) => {
-                let unrecorded = self.runs.get_mut(&id).and_then(|e| e.unrecorded.take());
-                if let Some(why) = unrecorded {
+            Cmd::Created(id, result, recorded, reply) => {
+                if let Err(why) = recorded {
                     // Not in the database: whatever the create made goes.
                     match result {
                         Ok(started) => {
@@ -575,7 +630,9 @@ impl Registry {
                         }
                     }
                     (Ok(started), _) => {
-                        // Deleted while it was being created.
+                        // Deleted while it was being created. The first
+                        // record may have landed after the delete's: write
+                        // the run's state again (no new history event).
                         let mut started = *started;
                         if let Some(p) = started.proxy.take() {
                             p.abort();
@@ -583,6 +640,7 @@ impl Registry {
                         if let Some(e) = self.runs.get_mut(&id) {
                             e.rec.net = started.net.take();
                         }
+                        self.rewrite(&id);
                         self.spawn_destroy(id.clone(), false, None);
                         let _ = reply.send(Err(RunError::NotRunning {
                             id,
@@ -604,7 +662,7 @@ impl Registry {
                 let v = self.runs.get(&id).map(|e| {
                     let mut v = self.view(e);
                     let history: Vec<Value> = self
-                        .store
+                        .db()
                         .history(&id)
                         .unwrap_or_default()
                         .into_iter()
@@ -688,7 +746,7 @@ impl Registry {
                     let _ = self.persist(&id, None, "teardown failed");
                 } else if purge {
                     self.runs.remove(&id);
-                    if let Err(e) = self.store.delete_run(&id) {
+                    if let Err(e) = self.db().delete_run(&id) {
                         tracing::error!(run = %id, error = %e, "purge");
                     }
                 }
@@ -856,7 +914,7 @@ impl Registry {
     /// `error`, remove everything of this daemon's that has no live record.
     fn reconcile(&mut self) -> Result<(), RunError> {
         let stored = self
-            .store
+            .db()
             .load_runs()
             .map_err(|e| RunError::Internal(e.to_string()))?;
         let mut adopted = Vec::new();
@@ -892,7 +950,6 @@ impl Registry {
                     in_flight: 0,
                     lease,
                     proxy: None,
-                    unrecorded: None,
                 },
             );
             if live {
@@ -1070,7 +1127,7 @@ impl Runs {
         let mut reg = Registry {
             host,
             server,
-            store,
+            store: Arc::new(std::sync::Mutex::new(store)),
             sealer,
             runs: HashMap::new(),
             tx: tx.clone(),
