@@ -105,6 +105,7 @@ async fn run(cfg: Config, state_dir: std::path::PathBuf) -> anyhow::Result<()> {
         init_binary,
         seccomp,
         zygote,
+        spares: Arc::new(crate::runs::sandbox::SpareDirs::new(state_dir.join("runs"))),
     });
     sbx_runtime::cgroups::create(&host.layout, &host.cgroup_parent)?;
     if !cfg.egress_allow.is_empty() {

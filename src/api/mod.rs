@@ -129,6 +129,7 @@ mod tests {
                     "/nonexistent".into(),
                     "/nonexistent".into(),
                 )),
+                spares: Arc::new(crate::runs::sandbox::SpareDirs::new("/nonexistent".into())),
             }),
             server: "unit".into(),
             token: "t0k".into(),

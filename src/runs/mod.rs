@@ -864,6 +864,7 @@ impl Registry {
             }
             Cmd::Shutdown(stop_runs, reply) => {
                 self.shutting_down = true;
+                self.host.spares.close();
                 if stop_runs {
                     let live: Vec<String> = self
                         .runs
@@ -1003,10 +1004,15 @@ impl Registry {
         let live: std::collections::HashSet<String> = adopted.into_iter().collect();
         let mut orphans: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
         if let Ok(rd) = std::fs::read_dir(self.host.runs_dir()) {
-            orphans.extend(
-                rd.flatten()
-                    .map(|e| e.file_name().to_string_lossy().into_owned()),
-            );
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if name.starts_with(sandbox::SPARE_PREFIX) {
+                    // A stopped daemon's spare run directory (empty).
+                    let _ = std::fs::remove_dir(e.path());
+                } else {
+                    orphans.insert(name);
+                }
+            }
         }
         orphans.extend(sbx_runtime::cgroups::children(
             &self.host.layout,
@@ -1136,6 +1142,7 @@ impl Runs {
             shutting_down: false,
         };
         reg.reconcile()?;
+        reg.host.spares.top_up();
         tokio::spawn(async move {
             while let Some(cmd) = rx.recv().await {
                 reg.handle(cmd);
