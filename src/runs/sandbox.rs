@@ -351,13 +351,15 @@ fn image_err(e: super::files::FileError) -> SandboxError {
 }
 
 /// Lays out the run directory and its root; blocking.
-fn prepare(
+/// Lays out the run's root (blocking): the `host` root's directories, or
+/// an image's upper directory and overlay. Returns the read-only binds the
+/// `host` root needs.
+fn layout_root(
     host: &Host,
     id: &str,
     plan: &CreatePlan,
     root: &Root,
-    netns: Option<PathBuf>,
-) -> Result<RunSpec, SandboxError> {
+) -> Result<Vec<BindMount>, SandboxError> {
     let paths = host.paths(id);
     let rootfs = paths.rootfs();
     let err = |source| SandboxError::Rootfs {
@@ -396,11 +398,23 @@ fn prepare(
             tracing::debug!(run = id, layers = layers.len(), ?api, "overlay mounted");
         }
     }
+    Ok(ro_binds)
+}
+
+/// The run's OCI spec, from what is known before anything is on disk
+/// (and, for `host`, the binds [`layout_root`] returned).
+fn run_spec(
+    host: &Host,
+    id: &str,
+    plan: &CreatePlan,
+    ro_binds: Vec<BindMount>,
+    netns: Option<PathBuf>,
+) -> RunSpec {
     let mut env = vec!["HOME=/work".to_string(), format!("HOSTNAME={id}")];
     env.push(format!("PATH={}", spec::DEFAULT_PATH));
-    Ok(RunSpec {
+    RunSpec {
         id: id.to_string(),
-        rootfs,
+        rootfs: host.paths(id).rootfs(),
         init_binary: host.init_binary.clone(),
         uid: plan.uid,
         gid: plan.gid,
@@ -413,7 +427,7 @@ fn prepare(
         // The init installs it (see RunSpec).
         seccomp_bpf: host.seccomp.as_ref().map(|s| s.program.to_vec()),
         netns,
-    })
+    }
 }
 
 /// What an image root gets in its (still empty) upper directory before
@@ -520,13 +534,30 @@ async fn create_inner(
         .map_err(SandboxError::Spawn)?;
     let t_forked = t0.elapsed();
     let (h, i, p) = (host.clone(), id.to_string(), plan.clone());
-    tokio::task::spawn_blocking(move || {
-        let spec = prepare(&h, &i, &p, &root, netns)?;
-        spec::write_bundle(&h.paths(&i).bundle(), &spec).map_err(SandboxError::Bundle)?;
-        finish_root(&h, &i, &p, layered)
-    })
-    .await
-    .map_err(|e| SandboxError::Shim(e.to_string()))??;
+    let joined = |e: tokio::task::JoinError| SandboxError::Shim(e.to_string());
+    if layered {
+        // An image root's spec needs nothing from its layout: the bundle
+        // is written beside it.
+        let spec = run_spec(host, id, plan, Vec::new(), netns);
+        let bundle = paths.bundle();
+        let bundle = tokio::task::spawn_blocking(move || spec::write_bundle(&bundle, &spec));
+        let root = tokio::task::spawn_blocking(move || {
+            layout_root(&h, &i, &p, &root)?;
+            finish_root(&h, &i, &p, true)
+        });
+        let (bundle, root) = tokio::join!(bundle, root);
+        root.map_err(joined)??;
+        bundle.map_err(joined)?.map_err(SandboxError::Bundle)?;
+    } else {
+        tokio::task::spawn_blocking(move || {
+            let binds = layout_root(&h, &i, &p, &root)?;
+            let spec = run_spec(&h, &i, &p, binds, netns);
+            spec::write_bundle(&h.paths(&i).bundle(), &spec).map_err(SandboxError::Bundle)?;
+            finish_root(&h, &i, &p, false)
+        })
+        .await
+        .map_err(joined)??;
+    }
     let t_root = t0.elapsed();
     // (On an error above the pipe closes unwritten and the shim leaves.)
     nix::unistd::write(&go_w, b"g").map_err(|e| SandboxError::Spawn(e.into()))?;
