@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use tokio::io::AsyncBufReadExt;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt};
 
 use sbx_images::host::{self, RunUser};
 use sbx_runtime::{cgroups, spec, BindMount, Layout, RunPaths, RunSpec, ShimState};
@@ -533,33 +533,20 @@ async fn create_inner(
         .await
         .map_err(SandboxError::Spawn)?;
     let t_forked = t0.elapsed();
-    let (h, i, p) = (host.clone(), id.to_string(), plan.clone());
-    let joined = |e: tokio::task::JoinError| SandboxError::Shim(e.to_string());
-    if layered {
-        // An image root's spec needs nothing from its layout: the bundle
-        // is written beside it.
-        let spec = run_spec(host, id, plan, Vec::new(), netns);
-        let bundle = paths.bundle();
-        let bundle = tokio::task::spawn_blocking(move || spec::write_bundle(&bundle, &spec));
-        let root = tokio::task::spawn_blocking(move || {
-            layout_root(&h, &i, &p, &root)?;
-            finish_root(&h, &i, &p, true)
-        });
-        let (bundle, root) = tokio::join!(bundle, root);
-        root.map_err(joined)??;
-        bundle.map_err(joined)?.map_err(SandboxError::Bundle)?;
-    } else {
-        tokio::task::spawn_blocking(move || {
-            let binds = layout_root(&h, &i, &p, &root)?;
-            let spec = run_spec(&h, &i, &p, binds, netns);
-            spec::write_bundle(&h.paths(&i).bundle(), &spec).map_err(SandboxError::Bundle)?;
-            finish_root(&h, &i, &p, false)
-        })
-        .await
-        .map_err(joined)??;
+    let laid = lay_out(host, id, plan, root, netns, layered).await;
+    if let Err(e) = laid {
+        // The shim leaves on the closed `go`, and its end of the ready pipe
+        // closes with it (or with the zygote's copy, if it never forked
+        // it). Wait for that: the teardown after this must not race a shim
+        // of this run still to come (it would make files in the run
+        // directory while it is removed).
+        drop(go_w);
+        let mut rest = Vec::new();
+        let mut stdout = stdout;
+        let _ = tokio::time::timeout(Duration::from_secs(5), stdout.read_to_end(&mut rest)).await;
+        return Err(e);
     }
     let t_root = t0.elapsed();
-    // (On an error above the pipe closes unwritten and the shim leaves.)
     nix::unistd::write(&go_w, b"g").map_err(|e| SandboxError::Spawn(e.into()))?;
     drop(go_w);
     let mut line = String::new();
@@ -592,6 +579,43 @@ async fn create_inner(
         proxy: None,
         net: None,
     })
+}
+
+/// Lays out the run's root and writes its bundle: for an image root both
+/// at once (its spec needs nothing from the layout), for `host` one after
+/// the other (its binds come from the layout).
+async fn lay_out(
+    host: &Host,
+    id: &str,
+    plan: &CreatePlan,
+    root: Root,
+    netns: Option<PathBuf>,
+    layered: bool,
+) -> Result<(), SandboxError> {
+    let (h, i, p) = (host.clone(), id.to_string(), plan.clone());
+    let joined = |e: tokio::task::JoinError| SandboxError::Shim(e.to_string());
+    if layered {
+        let spec = run_spec(host, id, plan, Vec::new(), netns);
+        let bundle = host.paths(id).bundle();
+        let bundle = tokio::task::spawn_blocking(move || spec::write_bundle(&bundle, &spec));
+        let root = tokio::task::spawn_blocking(move || {
+            layout_root(&h, &i, &p, &root)?;
+            finish_root(&h, &i, &p, true)
+        });
+        let (bundle, root) = tokio::join!(bundle, root);
+        root.map_err(joined)??;
+        bundle.map_err(joined)?.map_err(SandboxError::Bundle)?;
+    } else {
+        tokio::task::spawn_blocking(move || {
+            let binds = layout_root(&h, &i, &p, &root)?;
+            let spec = run_spec(&h, &i, &p, binds, netns);
+            spec::write_bundle(&h.paths(&i).bundle(), &spec).map_err(SandboxError::Bundle)?;
+            finish_root(&h, &i, &p, false)
+        })
+        .await
+        .map_err(joined)??;
+    }
+    Ok(())
 }
 
 /// The shim's state from its `ready <state>` line.
