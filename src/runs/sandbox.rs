@@ -66,12 +66,13 @@ pub struct Host {
     pub spares: std::sync::Arc<SpareDirs>,
 }
 
-/// Run directories made ahead, in the runs directory, as `.spare-<n>`: a
-/// create renames one to its run's name (~20 us) instead of making it. The
-/// runs directory spreads its subdirectories over ext4's block groups (see
-/// `spread_subdirectories`), which made a run directory's `mkdir` cost
-/// ~230 us here, first on the create's path. Spares left by a daemon that
-/// stopped are orphans to the next one's reconciliation.
+/// Run directories made ahead, in the runs directory, as
+/// `.spare-<pid>-<n>`: a create renames one to its run's name (~20 us)
+/// instead of making it. The runs directory spreads its subdirectories
+/// over ext4's block groups (see `spread_subdirectories`), which made a
+/// run directory's `mkdir` cost ~230 us here, first on the create's path.
+/// Spares left by a daemon that stopped are removed by the next one's
+/// reconciliation.
 #[derive(Debug)]
 pub struct SpareDirs {
     runs_dir: PathBuf,
@@ -350,7 +351,6 @@ fn image_err(e: super::files::FileError) -> SandboxError {
     SandboxError::Image(e.to_string())
 }
 
-/// Lays out the run directory and its root; blocking.
 /// Lays out the run's root (blocking): the `host` root's directories, or
 /// an image's upper directory and overlay. Returns the read-only binds the
 /// `host` root needs.
