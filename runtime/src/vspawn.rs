@@ -115,9 +115,8 @@ fn candidates(argv0: &str, env: &[String]) -> (bool, Vec<String>) {
 struct Plan {
     /// The control socket to report on (the standby's children).
     report: Option<c_int>,
-    /// Exit at once with this code (when non-zero): the request cannot
-    /// run ([`Plan::refused`] says why).
-    exit_now: c_int,
+    /// Why the request cannot run at all: the process exits at once, with
+    /// [`EXIT_NOT_FOUND`] as on the fork path.
     refused: Option<&'static str>,
     cgroups: Vec<c_int>,
     /// The exec's stdio, to become 0, 1 and 2 (installed already when None).
@@ -127,7 +126,6 @@ struct Plan {
     cwd: CString,
     /// `execve` the first candidate as is (the command named a path).
     direct: bool,
-    paths: Vec<String>,
     candidates: Vec<CString>,
     /// Own the strings `argv` and `envp` point into.
     _strings: (Vec<CString>, Vec<CString>),
@@ -178,7 +176,6 @@ impl Plan {
         };
         Plan {
             report,
-            exit_now: if refused.is_some() { EXIT_NOT_FOUND } else { 0 },
             refused,
             cgroups: cgroups.iter().map(|f| f.as_raw_fd()).collect(),
             stdio,
@@ -186,7 +183,6 @@ impl Plan {
             uid: req.uid,
             cwd,
             direct,
-            paths,
             candidates: cands,
             argv: nul_terminated(&argv),
             envp: nul_terminated(&env),
@@ -204,18 +200,18 @@ impl Plan {
             Some(stage) => {
                 let tried = self.tried.load(Ordering::Relaxed);
                 let path = self
-                    .paths
+                    .candidates
                     .get(tried)
-                    .map(String::as_str)
+                    .map(|c| c.to_string_lossy())
                     .unwrap_or_default();
                 Some(failure(
                     stage,
                     self.errno.load(Ordering::Relaxed),
                     req,
-                    path,
+                    &path,
                 ))
             }
-            None => self.refused.map(|m| (self.exit_now, m.to_string())),
+            None => self.refused.map(|m| (EXIT_NOT_FOUND, m.to_string())),
         }
     }
 
@@ -263,8 +259,8 @@ extern "C" fn command_process(arg: *mut c_void) -> c_int {
         if let Some(report) = plan.report {
             libc::write(report, b"s".as_ptr().cast(), 1);
         }
-        if plan.exit_now != 0 {
-            return plan.exit_now;
+        if plan.refused.is_some() {
+            return EXIT_NOT_FOUND;
         }
         for fd in &plan.cgroups {
             if libc::write(*fd, b"0".as_ptr().cast(), 1) != 1 {
@@ -413,15 +409,15 @@ mod tests {
         r.argv = vec!["sh".into()];
         r.env = vec!["PATH=/nonexistent:/bin".into()];
         let plan = Plan::new(&r, None, None, &[]);
-        let chosen = plan.choose().map(|i| plan.paths[i].clone());
-        assert_eq!(chosen.as_deref(), Some("/bin/sh"));
+        let chosen = plan.choose().map(|i| plan.candidates[i].clone());
+        assert_eq!(chosen.as_deref(), Some(c"/bin/sh"));
         r.argv = vec!["definitely-not-a-cmd-xyz".into()];
         r.env = vec![];
         assert_eq!(Plan::new(&r, None, None, &[]).choose(), None);
         // Refused before anything runs, with the fork path's words.
         r.argv = vec![];
         let plan = Plan::new(&r, None, None, &[]);
-        assert_eq!(plan.exit_now, 127);
+        assert_eq!(command_process(&plan as *const Plan as *mut c_void), 127);
         assert_eq!(plan.outcome(&r), Some((127, "empty command".to_string())));
     }
 
