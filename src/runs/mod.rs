@@ -173,22 +173,28 @@ fn db(store: &std::sync::Mutex<Store>) -> std::sync::MutexGuard<'_, Store> {
     store.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Writes a run's record (`event`: a history entry, when given); a run
+/// that is no longer live loses its stored env.
 fn write_record(
     db: &mut Store,
     id: &str,
     status: Status,
     record: &Value,
     sealed_env: Option<&[u8]>,
-    event: &str,
+    event: Option<&str>,
 ) -> Result<(), RunError> {
     db.put_run(
         id,
         status.as_str(),
         record,
         sealed_env,
-        Some((event, now_ms())),
+        event.map(|e| (e, now_ms())),
     )
-    .map_err(|e| RunError::Internal(format!("{:#}", anyhow::Error::from(e))))
+    .map_err(|e| RunError::Internal(format!("{:#}", anyhow::Error::from(e))))?;
+    if !status.is_live() {
+        let _ = db.drop_env(id);
+    }
+    Ok(())
 }
 
 pub fn now_ms() -> i64 {
@@ -288,18 +294,25 @@ impl Registry {
         Some(Ok((e.rec.status, record)))
     }
 
-    /// Writes run `id`'s state again without a history event.
-    fn rewrite(&mut self, id: &str) {
-        let Some(Ok((status, record))) = self.record_of(id) else {
-            return;
+    /// Writes run `id`'s record with a history `event` (None: none).
+    fn persist_event(
+        &mut self,
+        id: &str,
+        sealed_env: Option<Vec<u8>>,
+        event: Option<&str>,
+    ) -> Result<(), RunError> {
+        let Some(found) = self.record_of(id) else {
+            return Ok(());
         };
-        let mut db = self.db();
-        if let Err(e) = db.put_run(id, status.as_str(), &record, None, None) {
-            tracing::error!(run = %id, error = %e, "record the run");
-        }
-        if !status.is_live() {
-            let _ = db.drop_env(id);
-        }
+        let (status, record) = found?;
+        write_record(
+            &mut self.db(),
+            id,
+            status,
+            &record,
+            sealed_env.as_deref(),
+            event,
+        )
     }
 
     fn persist(
@@ -308,16 +321,7 @@ impl Registry {
         sealed_env: Option<Vec<u8>>,
         event: &str,
     ) -> Result<(), RunError> {
-        let Some(found) = self.record_of(id) else {
-            return Ok(());
-        };
-        let (status, record) = found?;
-        let mut db = self.db();
-        write_record(&mut db, id, status, &record, sealed_env.as_deref(), event)?;
-        if !status.is_live() {
-            let _ = db.drop_env(id);
-        }
-        Ok(())
+        self.persist_event(id, sealed_env, Some(event))
     }
 
     fn set_status(&mut self, id: &str, status: Status, error: Option<String>) {
@@ -501,7 +505,14 @@ impl Registry {
                     let rid = id.clone();
                     let recorded = tokio::task::spawn_blocking(move || {
                         let (status, record) = first;
-                        write_record(&mut db(&store), &rid, status, &record, Some(&sealed), "")
+                        write_record(
+                            &mut db(&store),
+                            &rid,
+                            status,
+                            &record,
+                            Some(&sealed),
+                            Some(""),
+                        )
                     });
                     let result = async {
                         let root = images
@@ -579,29 +590,9 @@ impl Registry {
                 });
             }
             Cmd::Created(id, result, recorded, reply) => {
-                if let Err(why) = recorded {
-                    // Not in the database: whatever the create made goes.
-                    match result {
-                        Ok(started) => {
-                            let mut started = *started;
-                            if let Some(p) = started.proxy.take() {
-                                p.abort();
-                            }
-                            if let Some(e) = self.runs.get_mut(&id) {
-                                e.rec.net = started.net.take();
-                            }
-                            self.spawn_destroy(id, false, None);
-                        }
-                        Err(_) => {
-                            self.runs.remove(&id);
-                        }
-                    }
-                    let _ = reply.send(Err(why));
-                    return;
-                }
                 let status = self.runs.get(&id).map(|e| e.rec.status);
-                match (result, status) {
-                    (Ok(started), Some(Status::Creating)) => {
+                match (result, status, recorded) {
+                    (Ok(started), Some(Status::Creating), Ok(())) => {
                         let shim = started.shim;
                         if let Some(e) = self.runs.get_mut(&id) {
                             e.shim = Some(shim);
@@ -629,10 +620,8 @@ impl Registry {
                             }
                         }
                     }
-                    (Ok(started), _) => {
-                        // Deleted while it was being created. The first
-                        // record may have landed after the delete's: write
-                        // the run's state again (no new history event).
+                    (Ok(started), _, recorded) => {
+                        // Up, but not to be kept: whatever the create made goes.
                         let mut started = *started;
                         if let Some(p) = started.proxy.take() {
                             p.abort();
@@ -640,14 +629,31 @@ impl Registry {
                         if let Some(e) = self.runs.get_mut(&id) {
                             e.rec.net = started.net.take();
                         }
-                        self.rewrite(&id);
-                        self.spawn_destroy(id.clone(), false, None);
-                        let _ = reply.send(Err(RunError::NotRunning {
-                            id,
-                            status: "killed",
-                        }));
+                        let why = match recorded {
+                            // Not in the database.
+                            Err(why) => why,
+                            // Deleted while it was being created. The first
+                            // record may have landed after the delete's:
+                            // write the run's state again (no history event).
+                            Ok(()) => {
+                                if let Err(e) = self.persist_event(&id, None, None) {
+                                    tracing::error!(run = %id, error = %e, "record the run");
+                                }
+                                RunError::NotRunning {
+                                    id: id.clone(),
+                                    status: "killed",
+                                }
+                            }
+                        };
+                        self.spawn_destroy(id, false, None);
+                        let _ = reply.send(Err(why));
                     }
-                    (Err((code, msg)), _) => {
+                    (Err(_), _, Err(why)) => {
+                        // Neither made nor recorded.
+                        self.runs.remove(&id);
+                        let _ = reply.send(Err(why));
+                    }
+                    (Err((code, msg)), _, Ok(())) => {
                         tracing::warn!(run = %id, error = %msg, "create failed");
                         self.set_status(&id, Status::Error, Some(msg.clone()));
                         let _ = reply.send(Err(if code == 422 {
