@@ -8,6 +8,7 @@ mod egress;
 mod imagesvc;
 mod leases;
 mod network;
+mod pools;
 mod reaper;
 mod runs;
 mod seal;

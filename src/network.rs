@@ -65,9 +65,6 @@ struct Pool {
 /// Ready slots kept per tier once the tier has been used.
 pub const POOL_SIZE: usize = 2;
 
-/// See [`Network::created`].
-const TOP_UP_DELAY: std::time::Duration = std::time::Duration::from_millis(50);
-
 /// The tiers' plan is fixed at start; the bridges and tables are made on
 /// first use, so a daemon that only ever runs `none` touches no link.
 pub struct Network {
@@ -557,10 +554,7 @@ impl Network {
 
     /// A run that took from a pool is up (or failed): drops the pin of a
     /// loopback-only namespace it took (`tier` None: a `none` run) and tops
-    /// the pool up in the background — at once if the pool is empty, else
-    /// after [`TOP_UP_DELAY`]: a run's first exec usually follows its create
-    /// at once, and making a namespace (~0.6 ms of CPU, most of it in
-    /// `unshare`) competed with it and with the create's reply.
+    /// the pool up in the background (see [`crate::pools::top_up_soon`]).
     pub fn created(self: &Arc<Self>, tier: Option<Tier>, loner: Option<std::path::PathBuf>) {
         if let Some(p) = loner {
             self.unpin_soon(p);
@@ -570,16 +564,9 @@ impl Network {
             None => !self.loners().is_empty(),
         };
         let me = self.clone();
-        let top_up = move || match tier {
+        crate::pools::top_up_soon(spare, move || match tier {
             Some(t) => me.refill_soon(t),
             None => me.refill_loopback_only_soon(),
-        };
-        if !spare {
-            return top_up();
-        }
-        tokio::spawn(async move {
-            tokio::time::sleep(TOP_UP_DELAY).await;
-            top_up();
         });
     }
 

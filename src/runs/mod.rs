@@ -1148,7 +1148,7 @@ impl Runs {
             shutting_down: false,
         };
         reg.reconcile()?;
-        reg.host.spares.top_up();
+        reg.host.spares.fill();
         tokio::spawn(async move {
             while let Some(cmd) = rx.recv().await {
                 reg.handle(cmd);

@@ -88,10 +88,6 @@ pub const SPARE_PREFIX: &str = ".spare-";
 
 /// How many spares are kept.
 const SPARE_DIRS: usize = 2;
-/// A top-up waits this long while a spare is left: a run's first exec
-/// usually follows its create at once, and an ext4 `mkdir` here is ~0.2 ms
-/// of CPU on a small host.
-const SPARE_TOP_UP_DELAY: Duration = Duration::from_millis(50);
 
 impl SpareDirs {
     pub fn new(runs_dir: PathBuf) -> SpareDirs {
@@ -118,7 +114,7 @@ impl SpareDirs {
     }
 
     /// Makes `dir` (a run directory) from a spare if one is ready, else
-    /// anew; then tops the spares up in the background.
+    /// anew; then tops the spares up (see [`crate::pools::top_up_soon`]).
     pub fn make(self: &std::sync::Arc<Self>, dir: &Path) -> std::io::Result<()> {
         let spare = self.ready().pop();
         let made = match spare {
@@ -128,24 +124,19 @@ impl SpareDirs {
             }),
             None => std::fs::create_dir_all(dir),
         };
-        self.top_up();
+        let me = self.clone();
+        crate::pools::top_up_soon(!self.ready().is_empty(), move || me.fill());
         made
     }
 
-    /// Fills the spares up, on a blocking thread; soon if none is left.
-    pub fn top_up(self: &std::sync::Arc<Self>) {
+    /// Fills the spares up, on a blocking thread. Needs a tokio runtime.
+    pub fn fill(self: &std::sync::Arc<Self>) {
         use std::sync::atomic::Ordering;
         if self.closed.load(Ordering::Acquire) || self.filling.swap(true, Ordering::AcqRel) {
             return;
         }
         let me = self.clone();
-        let delay = if self.ready().is_empty() {
-            Duration::ZERO
-        } else {
-            SPARE_TOP_UP_DELAY
-        };
         tokio::spawn(async move {
-            tokio::time::sleep(delay).await;
             let filler = me.clone();
             let _ = tokio::task::spawn_blocking(move || {
                 while filler.ready().len() < SPARE_DIRS {
@@ -807,7 +798,7 @@ mod tests {
         // Closed: taking makes the directory, and no spare comes back.
         spares.make(&d.path().join("run2")).expect("make");
         assert!(d.path().join("run2").is_dir());
-        tokio::time::sleep(SPARE_TOP_UP_DELAY * 2).await;
+        tokio::time::sleep(crate::pools::TOP_UP_DELAY * 2).await;
         assert!(spares_in(d.path()).is_empty());
     }
 
