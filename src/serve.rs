@@ -105,7 +105,9 @@ async fn run(cfg: Config, state_dir: std::path::PathBuf) -> anyhow::Result<()> {
         init_binary,
         seccomp,
         zygote,
-        spares: Arc::new(crate::runs::sandbox::SpareDirs::new(state_dir.join("runs"))),
+        spares: Arc::new(crate::runs::sandbox::SpareDirs::new(
+            crate::runs::sandbox::runs_dir(&state_dir),
+        )),
     });
     sbx_runtime::cgroups::create(&host.layout, &host.cgroup_parent)?;
     if !cfg.egress_allow.is_empty() {

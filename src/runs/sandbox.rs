@@ -270,9 +270,14 @@ impl ShimZygote {
     }
 }
 
+/// Where a state directory keeps its runs' directories.
+pub fn runs_dir(state_dir: &Path) -> PathBuf {
+    state_dir.join("runs")
+}
+
 impl Host {
     pub fn runs_dir(&self) -> PathBuf {
-        self.state_dir.join("runs")
+        runs_dir(&self.state_dir)
     }
     pub fn paths(&self, id: &str) -> RunPaths {
         RunPaths::new(self.runs_dir().join(id))
@@ -343,8 +348,9 @@ fn image_err(e: super::files::FileError) -> SandboxError {
 }
 
 /// Lays out the run's root (blocking): the `host` root's directories, or
-/// an image's upper directory and overlay. Returns the read-only binds the
-/// `host` root needs.
+/// an image's upper directory and overlay; then `/work` and the workdir
+/// owned by the run's user and `/etc/resolv.conf` where the layout did not
+/// already put them. Returns the read-only binds the `host` root needs.
 fn layout_root(
     host: &Host,
     id: &str,
@@ -372,6 +378,11 @@ fn layout_root(
                     destination: b.destination,
                 });
             }
+            // Through the confined walk: no symlink is followed out of it.
+            chown_work(&rootfs, &plan.workdir, plan.uid, plan.gid).map_err(image_err)?;
+            let resolv = crate::network::Network::resolv_conf(super::model::tier_of(&plan.network));
+            super::files::write_root_file(&rootfs, "etc/resolv.conf", resolv.as_bytes(), 0o644)
+                .map_err(image_err)?;
         }
         Root::Layers { layers, .. } => {
             // Recorded first, so garbage collection never takes a layer in use.
@@ -387,6 +398,13 @@ fn layout_root(
                 sbx_images::overlay::mount(&lowers, &paths.upper(), &paths.overlay_work(), &rootfs)
                     .map_err(SandboxError::Mount)?;
             tracing::debug!(run = id, layers = layers.len(), ?api, "overlay mounted");
+            // `/work` is in the upper directory already; another workdir is
+            // made through the confined walk (no symlink of the image's is
+            // followed out of the root).
+            if super::files::components(&plan.workdir).map_err(image_err)? != ["work"] {
+                super::files::ensure_dir(&rootfs, &plan.workdir, 0o755, Some((plan.uid, plan.gid)))
+                    .map_err(image_err)?;
+            }
         }
     }
     Ok(ro_binds)
@@ -440,31 +458,6 @@ fn seed_upper(upper: &Path, id: &str, plan: &CreatePlan) -> std::io::Result<()> 
     std::os::unix::fs::chown(&work, Some(plan.uid), Some(plan.gid))
 }
 
-/// The rest of the run's root, once mounted: a workdir other than `/work`
-/// owned by the run's user; for `host`, `/work` and `/etc/resolv.conf`
-/// (an image root got those in its upper directory, see [`seed_upper`]).
-/// Blocking; each write is confined to the root (no symlink of the
-/// image's is followed out of it).
-fn finish_root(
-    host: &Host,
-    id: &str,
-    plan: &CreatePlan,
-    layered: bool,
-) -> Result<(), SandboxError> {
-    let rootfs = host.paths(id).rootfs();
-    if layered {
-        if super::files::components(&plan.workdir).map_err(image_err)? != ["work"] {
-            super::files::ensure_dir(&rootfs, &plan.workdir, 0o755, Some((plan.uid, plan.gid)))
-                .map_err(image_err)?;
-        }
-        return Ok(());
-    }
-    chown_work(&rootfs, &plan.workdir, plan.uid, plan.gid).map_err(image_err)?;
-    let resolv = crate::network::Network::resolv_conf(super::model::tier_of(&plan.network));
-    super::files::write_root_file(&rootfs, "etc/resolv.conf", resolv.as_bytes(), 0o644)
-        .map_err(image_err)
-}
-
 /// A shim that reported ready (a child of the zygote, not of the daemon).
 pub struct Started {
     pub shim: ShimState,
@@ -504,7 +497,6 @@ async fn create_inner(
         Root::Host => Vec::new(),
         Root::Layers { env, .. } => env.clone(),
     };
-    let layered = matches!(root, Root::Layers { .. });
     let paths = host.paths(id);
     let t0 = std::time::Instant::now();
     // The run directory first: the shim is forked into it (its cwd names
@@ -524,7 +516,7 @@ async fn create_inner(
         .await
         .map_err(SandboxError::Spawn)?;
     let t_forked = t0.elapsed();
-    let laid = lay_out(host, id, plan, root, netns, layered).await;
+    let laid = lay_out(host, id, plan, root, netns).await;
     if let Err(e) = laid {
         // The shim leaves on the closed `go`, and its end of the ready pipe
         // closes with it (or with the zygote's copy, if it never forked
@@ -581,18 +573,14 @@ async fn lay_out(
     plan: &CreatePlan,
     root: Root,
     netns: Option<PathBuf>,
-    layered: bool,
 ) -> Result<(), SandboxError> {
     let (h, i, p) = (host.clone(), id.to_string(), plan.clone());
     let joined = |e: tokio::task::JoinError| SandboxError::Shim(e.to_string());
-    if layered {
+    if matches!(root, Root::Layers { .. }) {
         let spec = run_spec(host, id, plan, Vec::new(), netns);
         let bundle = host.paths(id).bundle();
         let bundle = tokio::task::spawn_blocking(move || spec::write_bundle(&bundle, &spec));
-        let root = tokio::task::spawn_blocking(move || {
-            layout_root(&h, &i, &p, &root)?;
-            finish_root(&h, &i, &p, true)
-        });
+        let root = tokio::task::spawn_blocking(move || layout_root(&h, &i, &p, &root));
         let (bundle, root) = tokio::join!(bundle, root);
         root.map_err(joined)??;
         bundle.map_err(joined)?.map_err(SandboxError::Bundle)?;
@@ -600,8 +588,7 @@ async fn lay_out(
         tokio::task::spawn_blocking(move || {
             let binds = layout_root(&h, &i, &p, &root)?;
             let spec = run_spec(&h, &i, &p, binds, netns);
-            spec::write_bundle(&h.paths(&i).bundle(), &spec).map_err(SandboxError::Bundle)?;
-            finish_root(&h, &i, &p, false)
+            spec::write_bundle(&h.paths(&i).bundle(), &spec).map_err(SandboxError::Bundle)
         })
         .await
         .map_err(joined)??;
