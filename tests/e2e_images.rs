@@ -419,14 +419,5 @@ fn an_image_whose_paths_lead_out_of_its_root_never_touches_the_host() {
         .filter_map(|r| r["id"].as_str().map(str::to_string))
         .collect();
     assert_eq!(failed.len(), 1, "{list}");
-    let mut left = Vec::new();
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    while std::time::Instant::now() < deadline {
-        left = d.leftovers(&failed[0]);
-        if left.is_empty() {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(50));
-    }
-    assert!(left.is_empty(), "left of the refused run: {left:?}");
+    d.wait_nothing_left(&failed[0], 5);
 }

@@ -577,7 +577,7 @@ fn runs_survive_kill_9_and_still_expire() {
     wait_for("TTL expiry after restart", 30, || {
         d.call(Method::GET, &format!("/v1/runs/{id}"), None).1["status"] == "expired"
     });
-    wait_for("expired run cleaned", 10, || d.leftovers(&id).is_empty());
+    d.wait_nothing_left(&id, 10);
     // The env is not stored in the clear.
     for f in ["sbx.db", "sbx.db-wal"] {
         let bytes = std::fs::read(d.state.join(f)).unwrap_or_default();
@@ -649,9 +649,7 @@ fn restart_removes_orphans_and_marks_vanished_runs() {
     let (_, v) = d.call(Method::GET, &format!("/v1/runs/{vanished}"), None);
     assert_eq!(v["status"], "error", "{v}");
     assert_eq!(d.leftovers(orphan), Vec::<String>::new());
-    wait_for("vanished run cleaned", 10, || {
-        d.leftovers(&vanished).is_empty()
-    });
+    d.wait_nothing_left(&vanished, 10);
     let _ = Duration::from_secs(0);
 }
 

@@ -260,6 +260,20 @@ impl Daemon {
         serde_json::from_slice(&std::fs::read(&path).expect("shim.json")).expect("shim state")
     }
 
+    /// Waits up to `secs` for [`Daemon::leftovers`] of `id` to be empty;
+    /// names what is still there if it is not.
+    pub fn wait_nothing_left(&self, id: &str, secs: u64) {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            let left = self.leftovers(id);
+            if left.is_empty() {
+                return;
+            }
+            assert!(Instant::now() < deadline, "left of run {id}: {left:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// Everything this daemon left on the host for run `id`.
     pub fn leftovers(&self, id: &str) -> Vec<String> {
         let mut out = Vec::new();
