@@ -629,8 +629,11 @@ impl Registry {
                         if let Some(e) = self.runs.get_mut(&id) {
                             e.rec.net = started.net.take();
                         }
+                        // Not in the database: forgotten once torn down,
+                        // as a create whose record failed was before the
+                        // record moved beside the layout.
+                        let purge = recorded.is_err();
                         let why = match recorded {
-                            // Not in the database.
                             Err(why) => why,
                             // Deleted while it was being created. The first
                             // record may have landed after the delete's:
@@ -645,7 +648,7 @@ impl Registry {
                                 }
                             }
                         };
-                        self.spawn_destroy(id, false, None);
+                        self.spawn_destroy(id, purge, None);
                         let _ = reply.send(Err(why));
                     }
                     (Err(_), _, Err(why)) => {
